@@ -1,0 +1,6 @@
+"""DynaResize: dynamic rollout/training GPU split for disaggregated RL post-training.
+
+Kept import-light on purpose: engines spawn processes that re-import modules, and the offline
+analysis imports the timeline schema from here on machines without torch or MPI.
+"""
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Stage timeline: schema (numpy/h5py only), writer, and the per-rank event recorder."""
