@@ -1,0 +1,104 @@
+"""Control plane (MPI) and data plane (torch.distributed) of one job.
+
+MPI carries small Python objects: the rendezvous, role tables, stage times, samples, timeline
+events. torch.distributed carries tensors: gradients, weights, staged state.
+
+mpi4py is imported when a ControlPlane is made, never at module import: inference engines spawn
+processes that re-import modules, and an MPI initialisation there was measured to hang them.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+
+
+def in_mpi_job() -> bool:
+    """True if this process is one of several ranks started by mpiexec or srun."""
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        if int(os.environ.get(var, "1") or 1) > 1:
+            return True
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ
+
+
+class ControlPlane:
+    def __init__(self):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.local_rank = node.Get_rank()
+        node.Free()
+        self.clock_offset = 0.0
+        self.t0 = 0.0
+
+    # --- collectives on Python objects -----------------------------------------------------
+    def bcast(self, obj, root: int = 0):
+        return self.comm.bcast(obj, root=root)
+
+    def allgather(self, obj) -> list:
+        return self.comm.allgather(obj)
+
+    def gather(self, obj, root: int = 0):
+        return self.comm.gather(obj, root=root)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job (a rank blocked in a collective would otherwise hang)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.comm.Abort(code)
+
+    # --- clocks ----------------------------------------------------------------------------
+    def align_clocks(self, rounds: int = 8) -> None:
+        """Estimate this rank's offset to rank 0's clock (min round-trip ping-pong), set t0.
+
+        Timeline times are `now()`: seconds since the job's start on rank 0's clock.
+        """
+        comm = self.comm
+        best_rtt, offset = float("inf"), 0.0
+        for peer in range(1, self.size):
+            for _ in range(rounds):
+                if self.rank == 0:
+                    comm.recv(source=peer, tag=7)
+                    comm.send(time.time(), dest=peer, tag=8)
+                elif self.rank == peer:
+                    t_send = time.time()
+                    comm.send(None, dest=0, tag=7)
+                    t_root = comm.recv(source=0, tag=8)
+                    t_recv = time.time()
+                    if t_recv - t_send < best_rtt:
+                        best_rtt, offset = t_recv - t_send, t_root - (t_send + t_recv) / 2
+        self.clock_offset = offset
+        self.t0 = self.bcast(time.time() if self.rank == 0 else None)
+
+    def now(self) -> float:
+        return time.time() + self.clock_offset - self.t0
+
+    # --- data plane --------------------------------------------------------------------------
+    def init_data_plane(self, device: str, timeout_s: float = 300) -> str:
+        """torch.distributed over the same ranks: rank 0 picks a free port and broadcasts it."""
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        self.hostnames = self.allgather(socket.gethostname())
+        address = None
+        if self.rank == 0:
+            host = socket.gethostname() if len(set(self.hostnames)) > 1 else "127.0.0.1"
+            with socket.socket() as s:
+                s.bind(("", 0))
+                address = f"tcp://{socket.gethostbyname(host)}:{s.getsockname()[1]}"
+        address = self.bcast(address)
+        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.size,
+                                timeout=timedelta(seconds=timeout_s))
+        return backend
+

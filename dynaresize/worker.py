@@ -1,0 +1,38 @@
+"""One rank of a job: `python -m dynaresize.worker RUN_DIR/config.yaml` (started by mpiexec or srun).
+
+A failing rank prints its error and aborts the whole MPI job, so no other rank is left waiting in
+a collective for it.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+from omegaconf import OmegaConf
+
+from .config import JobConfig, load_config
+
+
+def run_rank(cfg: JobConfig) -> None:
+    """Run this process as one rank of the job `cfg` (also the callable submitit ships to Slurm)."""
+    from .comm import ControlPlane
+    from .loop import run_job
+
+    ctrl = ControlPlane()
+    try:
+        run_job(cfg, ctrl)
+    except BaseException as e:  # noqa: BLE001 - any failure must take the job down, not hang it
+        print(f"[dynaresize] rank {ctrl.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        ctrl.abort(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: python -m dynaresize.worker RUN_DIR/config.yaml")
+    run_rank(load_config(OmegaConf.load(argv[0])))
+
+
+if __name__ == "__main__":
+    main()

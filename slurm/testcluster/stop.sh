@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Tear down a test cluster started by start.sh.
+#
+#   stop.sh STATE_DIR
+#
+# Cancels remaining jobs, then stops exactly the daemons recorded in
+# STATE_DIR/pids (munged only if start.sh started it). Safe to run more than
+# once. STATE_DIR itself (logs included) is left for inspection; delete it
+# yourself if you want it gone.
+set -euo pipefail
+
+[[ $# -eq 1 ]] || {
+    echo "usage: $0 STATE_DIR" >&2
+    exit 2
+}
+[[ -d "$1" ]] || {
+    echo "testcluster: $1 does not exist, nothing to stop"
+    exit 0
+}
+STATE_DIR=$(cd "$1" && pwd)
+CONF=$STATE_DIR/slurm.conf
+PIDS=$STATE_DIR/pids
+
+# A recorded PID may have been reused by an unrelated process since; only
+# signal it if it still looks like the daemon we started.
+is_ours() { # name pid
+    local cmdline
+    [[ -r "/proc/$2/cmdline" ]] || return 1
+    cmdline=$(tr '\0' ' ' <"/proc/$2/cmdline" 2>/dev/null) || return 1
+    case $1 in
+    munged) [[ "$(cat "/proc/$2/comm" 2>/dev/null)" == munged ]] ;;
+    *) [[ "$cmdline" == *"$CONF"* ]] ;;
+    esac
+}
+
+declare -A daemon_pid=()
+if [[ -f "$PIDS" ]]; then
+    while read -r name pid; do
+        [[ -n "${name:-}" && -n "${pid:-}" ]] || continue
+        is_ours "$name" "$pid" && daemon_pid[$name]=$pid
+    done <"$PIDS"
+fi
+
+# Cancel jobs first so slurmd can still clean up their processes; killing
+# slurmd under running jobs would leave orphaned slurmstepd/job processes.
+if [[ -n "${daemon_pid[slurmctld]:-}" ]]; then
+    export SLURM_CONF=$CONF
+    jobs=$(squeue -h -o %A 2>/dev/null | sort -u || true)
+    if [[ -n "$jobs" ]]; then
+        # shellcheck disable=SC2086 # word splitting wanted: one id per word
+        scancel $jobs 2>/dev/null || true
+        for _ in $(seq 50); do
+            [[ -z "$(squeue -h -o %A 2>/dev/null)" ]] && break
+            sleep 0.2
+        done
+    fi
+fi
+
+stop_pids() { # pids...: TERM, then KILL whatever is still alive after ~5 s
+    (($# > 0)) || return 0
+    kill -TERM "$@" 2>/dev/null || true
+    for _ in $(seq 50); do
+        local alive=0 p
+        for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
+        ((alive)) || return 0
+        sleep 0.1
+    done
+    echo "testcluster: still alive after TERM, sending KILL: $*" >&2
+    kill -KILL "$@" 2>/dev/null || true
+}
+
+# slurmd before slurmctld (so the node is not marked DOWN mid-way for
+# nothing), munged last since both daemons talk to it while shutting down.
+for name in slurmd slurmctld; do
+    if [[ -n "${daemon_pid[$name]:-}" ]]; then
+        stop_pids "${daemon_pid[$name]}"
+    fi
+done
+
+# Job step daemons outlive slurmd if a job ignored cancellation. Ours are the
+# ones holding files open in this state directory (log, spool sockets).
+stray=()
+for pid in $(pgrep -x slurmstepd || true); do
+    if ls -l "/proc/$pid/fd" 2>/dev/null | grep -qF -- "$STATE_DIR/"; then
+        stray+=("$pid")
+    fi
+done
+if ((${#stray[@]})); then
+    stop_pids "${stray[@]}"
+fi
+
+if [[ -n "${daemon_pid[munged]:-}" ]]; then
+    stop_pids "${daemon_pid[munged]}"
+fi
+
+rm -f "$PIDS"
+echo "testcluster: stopped ($STATE_DIR)"
