@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -248,7 +248,7 @@ def validate(cfg: JobConfig) -> None:
          "use policy=static, colocated, dynamic or scripted")
     need(p.resize_unit >= 1 and c.ranks % max(p.resize_unit, 1) == 0, "policy.resize_unit",
          f"{p.resize_unit} does not divide cluster.ranks={c.ranks}", "use a divisor of the rank count")
-    if p.name != "colocated":
+    if p.name != "colocated" and c.ranks >= 2:
         need(1 <= p.train_ranks <= c.ranks - 1, "policy.train_ranks",
              f"is {p.train_ranks}, outside 1..{c.ranks - 1} (cluster.ranks - 1)",
              f"choose 1 to {c.ranks - 1}, leaving at least one rollout rank")

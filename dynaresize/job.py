@@ -186,7 +186,9 @@ class Job:
             save_model(self.trainer.model, final, tokenizer_from=self.checkpoint)
         self.ctrl.barrier()
         if self.writer is not None:
-            self.writer.close(complete=True, end_time=self.ctrl.now())
+            self.writer.close(complete=True, end_time=self.ctrl.now(),
+                              groups_created_at_startup=self.registry.creations_at_startup,
+                              groups_created_after_startup=self.registry.created_after_startup)
             print(f"[dynaresize] done: timeline {os.path.join(self.run_dir, 'timeline.h5')}", flush=True)
         if self.engine is not None:
             self.engine.close()

@@ -56,12 +56,20 @@ if [[ -n "${daemon_pid[slurmctld]:-}" ]]; then
     fi
 fi
 
+# kill -0 also succeeds on zombies, and in containers PID 1 may be slow to
+# reap the daemons it inherited, so look at the process state instead.
+running() { # pid
+    local state
+    state=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 1
+    [[ -n "$state" && "$state" != Z && "$state" != X ]]
+}
+
 stop_pids() { # pids...: TERM, then KILL whatever is still alive after ~5 s
     (($# > 0)) || return 0
     kill -TERM "$@" 2>/dev/null || true
     for _ in $(seq 50); do
         local alive=0 p
-        for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
+        for p in "$@"; do running "$p" && alive=1; done
         ((alive)) || return 0
         sleep 0.1
     done

@@ -1,0 +1,118 @@
+"""The report folder of a run (summary.csv, summary.json, gantt.png, trace.json) and the text
+summary printed by the command line."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .gantt import gantt
+from .load import Timeline
+from .metrics import decisions, iteration_metrics, run_metrics
+from .trace import write_trace
+
+REPORT_DIR = "report"
+
+
+def jsonable(obj):
+    """`obj` with numpy/pandas scalars made plain and NaN/NA made None (strict JSON)."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if obj is pd.NA or obj is pd.NaT or (isinstance(obj, float) and not math.isfinite(obj)):
+        return None
+    return obj
+
+
+def write_report(tl: Timeline, out_dir: str | os.PathLike | None = None, *, png: bool = True,
+                 trace: bool = True) -> dict[str, Path]:
+    """Write the report files of `tl` into `out_dir` (default: ``report/`` beside the timeline).
+
+    Files: summary.csv (per iteration), summary.json (``run``, ``iterations``, ``decisions``),
+    gantt.png and trace.json (Chrome trace for Perfetto). Returns {name: path}.
+    """
+    out = Path(out_dir) if out_dir is not None else Path(tl.path).parent / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    its = iteration_metrics(tl)
+    files = {"summary.csv": out / "summary.csv", "summary.json": out / "summary.json"}
+    its.to_csv(files["summary.csv"], index=False)
+    summary = {"run": run_metrics(tl),
+               "iterations": its.astype(object).to_dict("records"),
+               "decisions": decisions(tl).astype(object).to_dict("records"),
+               "definitions": "see the module docs of analysis.metrics"}
+    with open(files["summary.json"], "w") as f:
+        json.dump(jsonable(summary), f, indent=1, allow_nan=False)
+    if png:
+        files["gantt.png"] = out / "gantt.png"
+        gantt(tl, files["gantt.png"])
+    if trace:
+        files["trace.json"] = out / "trace.json"
+        write_trace(tl, files["trace.json"])
+    return files
+
+
+def _pct(x) -> str:
+    return "-" if x is None or pd.isna(x) else f"{100 * x:.1f}%"
+
+
+def _num(x, fmt="{:.2f}") -> str:
+    return "-" if x is None or pd.isna(x) else fmt.format(x)
+
+
+def summary_text(tl: Timeline, max_rows: int = 20) -> str:
+    """A human-readable summary: run metrics, GPU time by state and role, iteration table."""
+    m = run_metrics(tl)
+    its = iteration_metrics(tl)
+    lines = [
+        f"run       {tl.path}",
+        f"policy    {m['policy']} ({m['kind']}), initial split {m['split']} (train/rollout), "
+        f"final {m['final_split']}, {m['world_size']} ranks",
+        f"iters     {m['iterations']}{'' if m['complete'] else '  (run not complete)'}",
+        f"time      {_num(m['total_time_s'])} s; {m['tokens']} tokens "
+        f"({_num(m['tokens_per_s'], '{:.1f}')} tokens/s), {m['samples']} samples "
+        f"({_num(m['samples_per_s'])} samples/s)",
+        f"reward    mean {_num(m['mean_reward'], '{:.3f}')}; response length mean "
+        f"{_num(m['mean_response_len'], '{:.1f}')}, p99 {_num(m['p99_response_len'], '{:.1f}')}",
+        f"bubbles   train {_pct(m['bubble_train'])}, rollout {_pct(m['bubble_rollout'])}"
+        + (f", both {_pct(m['bubble_both'])}" if not pd.isna(m["bubble_both"]) else "")
+        + f", all {_pct(m['bubble_all'])}",
+        f"switches  {m['resizes']} resizes, {m['switch_ops']} switch ops, work "
+        f"{_num(m['switch_total_s'])} s, critical {_num(m['switch_critical_s'])} s, hidden share "
+        f"{_pct(m['hidden_share'])}",
+        "",
+        "GPU time [GPU s]   total      busy      idle  switching",
+    ]
+    for role, t in m["gpu_time"].items():
+        lines.append(f"  {role:<14}{t['total_s']:10.1f}{t['busy_s']:10.1f}{t['idle_s']:10.1f}"
+                     f"{t['switching_s']:11.1f}")
+    if m["outside_iterations_s"] and m["outside_iterations_s"] > 1e-9:
+        lines.append(f"  between iterations: {m['outside_iterations_s']:.1f} GPU s")
+    if len(its):
+        table = pd.DataFrame({
+            "iter": its["iteration"],
+            "split": its["train_ranks"].astype(str) + "/" + its["rollout_ranks"].astype(str),
+            "span_s": its["span_s"].map(_num),
+            "rollout_s": its["rollout_time_s"].map(_num),
+            "train_s": its["train_time_s"].map(_num),
+            "sync_s": its["weight_sync_time_s"].map(_num),
+            "switch_crit_s": its["switch_critical_s"].map(_num),
+            "switch_hid_s": its["switch_hidden_s"].map(_num),
+            "bub_train": its["bubble_train"].map(_pct),
+            "bub_rollout": its["bubble_rollout"].map(_pct),
+            "tokens/s": its["tokens_per_s"].map(lambda x: _num(x, "{:.1f}")),
+            "reward": its["mean_reward"].map(lambda x: _num(x, "{:.3f}")),
+            "decision": its["decision"].fillna("-").astype(str),
+        })
+        if len(table) > max_rows:
+            half = max_rows // 2
+            gap = pd.DataFrame([{c: "..." for c in table.columns}])
+            table = pd.concat([table.head(half).astype(str), gap, table.tail(half).astype(str)])
+        lines += ["", table.to_string(index=False)]
+    return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""Shared helpers: run the real CLI, and run scenario scripts on real MPI ranks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCENARIOS = os.path.join(ROOT, "tests", "mpi", "scenarios.py")
+
+
+def _env() -> dict[str, str]:
+    from dynaresize.launch.local import mpi_env
+    return mpi_env()
+
+
+def run_cli(run_dir, *overrides, timeout=240, check=True, entry="dynaresize.cli") -> subprocess.CompletedProcess:
+    """`dynaresize <overrides>` with its Hydra run directory at `run_dir`."""
+    cmd = [sys.executable, "-m", entry, f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                             f"STDERR:\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def run_ranks(n: int, scenario: str, *args, timeout=240, check=True) -> subprocess.CompletedProcess:
+    """Run `tests/mpi/scenarios.py SCENARIO ARGS` on `n` real MPI ranks."""
+    from dynaresize.launch.local import find_mpiexec, is_open_mpi
+    mpiexec = find_mpiexec("mpiexec")
+    cmd = [mpiexec, "-n", str(n)]
+    if is_open_mpi(mpiexec):
+        cmd += ["--oversubscribe", "--bind-to", "none"]
+    cmd += [sys.executable, SCENARIOS, scenario, *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"scenario {scenario} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
+                             f"STDERR:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """One default `dynaresize` run (4 ranks), shared by the tests that inspect its outputs."""
+    run_dir = tmp_path_factory.mktemp("default_run")
+    proc = run_cli(run_dir)
+    return run_dir, proc

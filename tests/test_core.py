@@ -1,0 +1,105 @@
+"""Issue 2, the runnable core: a real 4-rank run, placement and split invariance, weight sync,
+group reuse, and config validation."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import run_cli, run_ranks
+
+
+def scenario_result(proc) -> dict:
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("OK ")][-1]
+    return json.loads(line[3:])
+
+
+def test_default_run_records_every_rank_every_iteration(default_run):
+    run_dir, proc = default_run
+    assert "iter   9/9" in proc.stdout, proc.stdout          # one progress line per iteration
+    with h5py.File(run_dir / "timeline.h5", "r") as f:
+        assert bool(f.attrs["complete"])
+        assert int(f.attrs["mpi_world_size"]) == 4
+        assert int(f.attrs["groups_created_after_startup"]) == 0
+        assert int(f.attrs["groups_created_at_startup"]) == 9    # 3 splits x (train, rollout, sync)
+        events, iterations = f["events"][...], f["iterations"][...]
+        samples = f["samples"][...]
+    assert list(iterations["iteration"]) == list(range(9))
+    for it in range(9):
+        ranks = set(events["rank"][events["iteration"] == it])
+        assert ranks == {0, 1, 2, 3}, f"iteration {it} has events of ranks {ranks}"
+    assert np.all(events["end"] >= events["start"])
+    trained = events[events["name"] == b"train"]
+    assert set(trained["rank"]) == {0, 1} and len(trained) == 2 * 8
+    assert len(samples) == 8 * 32 and set(samples["rank"]) == {2, 3}
+    assert (run_dir / "config.yaml").exists()
+
+
+def test_final_model_loads_with_transformers(default_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, _ = default_run
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final_model")
+    initial = AutoModelForCausalLM.from_pretrained(run_dir / "initial_model")
+    ids = torch.tensor([tokenizer("123=")["input_ids"]])
+    assert model(input_ids=ids).logits.shape[-1] == model.config.vocab_size
+    changed = [n for (n, a), (_, b) in zip(model.named_parameters(), initial.named_parameters())
+               if not torch.equal(a, b)]
+    assert changed, "training did not change any weight"
+
+
+def test_placement_invariance_1_vs_3_rollout_ranks(tmp_path):
+    result = scenario_result(run_ranks(4, "placement", tmp_path))
+    assert result["samples"] == 32 and result["ranks_three"] == [1, 2, 3]
+
+
+def test_split_invariance_of_training_and_sharded_adamw(tmp_path):
+    result = scenario_result(run_ranks(2, "split_training", tmp_path))
+    assert result["one_vs_two_max_rel_diff"] <= 1e-5
+    assert result["sharded_adamw_vs_torch_max_rel_diff"] <= 1e-6
+
+
+def test_weight_sync_is_bit_exact_and_creates_no_group(tmp_path):
+    result = scenario_result(run_ranks(4, "weight_sync", tmp_path))
+    assert result["rollout_ranks_checked"] == 3 and result["groups_created_after_startup"] == 0
+
+
+BAD_CONFIGS = [
+    (["cluster.ranks=1"], "cluster.ranks"),
+    (["policy.train_ranks=4"], "policy.train_ranks"),
+    (["policy.train_ranks=0"], "policy.train_ranks"),
+    (["trainer.micro_batch_size=5"], "trainer.micro_batch_size"),
+    (["model.path=/nonexistent/checkpoint"], "model.path"),
+    (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
+    (["run.max_lag=2"], "run.max_lag"),
+    (["model.num_heads=8"], "model.num_heads"),
+    (["cluster.launcher=kubernetes"], "cluster.launcher"),
+    (["policy.name=greedy"], "policy.name"),
+    (["run.iterations=many"], "run.iterations"),
+    (["trainer.lr=-1"], "trainer.lr"),
+    (["+run.speed=11"], "run.speed"),
+    (["workload.length_max=300"], "model.max_position"),
+    (["cluster.ranks=4", "policy.resize_unit=3"], "policy.resize_unit"),
+    (["policy.name=colocated", "run.max_lag=1"], "run.max_lag"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD_CONFIGS, ids=[b[1] + ":" + b[0][-1] for b in BAD_CONFIGS])
+def test_bad_config_is_refused_before_any_rank_starts(tmp_path, overrides, field):
+    proc = run_cli(tmp_path, *overrides, check=False, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert field in proc.stderr and "Fix" in proc.stderr, proc.stderr
+    assert "starting" not in proc.stdout                      # mpiexec was never called
+    assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "timeline.h5").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_without_vllm_fails_fast_with_install_hint(tmp_path):
+    proc = run_cli(tmp_path, "rollout.engine=vllm", check=False, timeout=60)
+    assert proc.returncode == 2 and "rollout.engine" in proc.stderr and "pip install" in proc.stderr
