@@ -23,6 +23,7 @@ setup(
         "numpy>=1.24",
         "pandas>=2.0",
         "matplotlib>=3.7",
+        "pyyaml>=6.0",          # analysis reads the run config without hydra
     ],
     extras_require={
         # An MPI runtime from PyPI (mpiexec lands in the environment); clusters keep their own MPI.

@@ -3,6 +3,7 @@
 Usage::
 
     dynaresize-analyze RUN_DIR|TIMELINE [--out DIR] [--no-gantt] [--no-trace]
+                       [--trace-iterations FIRST:LAST] [--quiet]
     dynaresize-analyze RUN_DIR|TIMELINE --follow [--interval S] [--timeout S]
     dynaresize-analyze compare DIR|TIMELINE [...] [--out CSV]
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +35,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="report folder (default: report/ beside the timeline)")
     p.add_argument("--no-gantt", action="store_true", help="do not draw gantt.png")
     p.add_argument("--no-trace", action="store_true", help="do not write trace.json")
+    p.add_argument("--trace-iterations", metavar="FIRST:LAST", type=_iteration_range,
+                   help="put only these iterations (inclusive) in trace.json")
     p.add_argument("--quiet", action="store_true", help="print only the report location")
     p.add_argument("--follow", action="store_true",
                    help="follow a running job: print one line per new iteration until the run "
@@ -41,6 +45,14 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None,
                    help="--follow: stop after this many seconds (exit status 1)")
     return p
+
+
+def _iteration_range(text: str) -> tuple[int, int]:
+    try:
+        first, _, last = text.partition(":")
+        return int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST, got {text!r}") from None
 
 
 def _compare_parser() -> argparse.ArgumentParser:
@@ -71,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:                   # output piped into e.g. `head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _report(args) -> int:
@@ -82,7 +97,11 @@ def _report(args) -> int:
     tl = load_timeline(args.path, event_attrs=n_events <= EVENT_ATTRS_LIMIT)
     if not args.quiet:
         print(summary_text(tl))
-    files = write_report(tl, args.out, png=not args.no_gantt, trace=not args.no_trace)
+    files = write_report(tl, args.out, png=not args.no_gantt, trace=not args.no_trace,
+                         trace_iterations=args.trace_iterations)
+    if "trace.json" in files and args.trace_iterations is None and n_events > EVENT_ATTRS_LIMIT:
+        print(f"note: trace.json holds all {n_events} events; --trace-iterations FIRST:LAST "
+              f"writes a smaller one", file=sys.stderr)
     folder = Path(next(iter(files.values()))).parent
     print(f"\nreport written to {folder}: {', '.join(files)}")
     return 0

@@ -4,8 +4,8 @@ Runs are found in a Hydra multirun folder (numbered job folders 0/, 1/, ... each
 timeline.h5 and .hydra/overrides.yaml) or in any folder searched recursively for timeline.h5.
 The policy name and the initial split come from each file's ``config`` attribute (keys
 ``policy.name`` and ``policy.train_ranks``). Runs are ranked by throughput (generated tokens
-per second). Policy kinds: ``static`` and ``oracle`` by name, ``colocated`` for names starting
-with "coloc", anything else is ``dynamic`` (see metrics.policy_kind).
+per second). Policy kinds: ``static``, ``oracle`` and ``scripted`` by name, ``colocated`` for
+names starting with "coloc", anything else is ``dynamic`` (see metrics.policy_kind).
 """
 from __future__ import annotations
 
@@ -40,7 +40,16 @@ def find_timelines(root: str | os.PathLike) -> list[Path]:
         return [root / TIMELINE_FILE]
     if not root.is_dir():
         raise TimelineError(f"{root}: no such file or folder")
-    found = sorted(root.rglob(TIMELINE_FILE), key=lambda p: _natural_key(p.relative_to(root)))
+    found, seen = [], set()
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:                     # a symbolic link loop
+            subfolders.clear()
+            continue
+        seen.add(real)
+        if TIMELINE_FILE in files:
+            found.append(Path(folder) / TIMELINE_FILE)
+    found.sort(key=lambda p: _natural_key(p.relative_to(root)))
     if not found:
         raise TimelineError(f"{root} contains no {TIMELINE_FILE} (searched recursively)")
     return found
@@ -132,4 +141,4 @@ def format_table(df: pd.DataFrame) -> str:
     formatters = {"tokens/s": "{:.1f}".format, "samples/s": "{:.2f}".format,
                   "time_s": "{:.2f}".format, "crit_switch_s": "{:.2f}".format,
                   "bubble_train": pct, "bubble_rollout": pct, "hidden": pct}
-    return shown.to_string(index=False, formatters=formatters)
+    return shown.to_string(index=False, formatters=formatters, na_rep="-")

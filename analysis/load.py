@@ -66,9 +66,12 @@ class Timeline:
 
     @property
     def policy(self) -> str:
-        """The policy name (config ``policy.name``), or ``"unknown"``."""
+        """The policy name: config ``policy.name``, else the file attribute ``policy``, else
+        ``"unknown"``."""
         policy = self.config.get("policy")
         name = policy.get("name") if isinstance(policy, dict) else policy
+        if name in (None, ""):
+            name = self.attrs.get("policy")
         return str(name) if name not in (None, "") else "unknown"
 
     @property
@@ -176,6 +179,8 @@ def load_timeline(path: str | os.PathLike, event_attrs: bool = True) -> Timeline
             for name in schema.DATASETS:
                 skip = () if (name != "events" or event_attrs) else ("attrs",)
                 tables[name] = _read_dataset(f[name], name, skip)
+        except TimelineError:
+            raise
         except (OSError, KeyError, ValueError, TypeError) as e:
             raise TimelineError(f"{path} cannot be read as a timeline: reading it failed, the file "
                                 f"may be truncated or corrupt ({e})") from e
@@ -187,6 +192,10 @@ def load_timeline(path: str | os.PathLike, event_attrs: bool = True) -> Timeline
 
 
 def _read_dataset(dataset: h5py.Dataset, name: str, skip: tuple = ()) -> pd.DataFrame:
+    missing = [f for f in schema.DATASETS[name].names if f not in (dataset.dtype.names or ())]
+    if missing:
+        raise TimelineError(f"{dataset.file.filename}: dataset {name} lacks the fields {missing} "
+                            f"of schema version {schema.SCHEMA_VERSION}")
     fields = [f for f in dataset.dtype.names if f not in skip]
     data = dataset.fields(fields)[...] if skip else dataset[...]
     columns = {}

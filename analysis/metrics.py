@@ -188,10 +188,9 @@ def rank_iterations(tl: Timeline) -> pd.DataFrame:
         n_ranks, n_its = len(tl.ranks), len(sp)
         n_keys = n_ranks * n_its
         seg = busy_segments(tl)
-        n = n_ranks
         # Keys of the busy segments, rebuilt from their iteration and rank.
         it_index = np.searchsorted(sp["iteration"].to_numpy(), seg["iteration"].to_numpy())
-        seg_key = it_index * n + np.searchsorted(tl.ranks, seg["rank"].to_numpy())
+        seg_key = it_index * n_ranks + np.searchsorted(tl.ranks, seg["rank"].to_numpy())
         busy = np.bincount(seg_key, weights=(seg["end"] - seg["start"]).to_numpy(),
                            minlength=n_keys)[:n_keys]
         key, s, e = _clipped(tl, tl.events["name"].isin(schema.SWITCH_OPS).to_numpy())
@@ -320,9 +319,10 @@ def iteration_metrics(tl: Timeline) -> pd.DataFrame:
 # Per run
 
 def policy_kind(name: str) -> str:
-    """Classify a policy name: "static", "oracle", "colocated", "unknown" or "dynamic"."""
+    """Classify a policy name: "static", "oracle", "scripted" (a split schedule given by hand),
+    "colocated" (names starting with "coloc"), "unknown", or "dynamic" (any other name)."""
     name = (name or "unknown").lower()
-    if name in ("static", "oracle", "unknown"):
+    if name in ("static", "oracle", "scripted", "unknown"):
         return name
     if name.startswith("coloc"):
         return "colocated"

@@ -32,11 +32,13 @@ def jsonable(obj):
 
 
 def write_report(tl: Timeline, out_dir: str | os.PathLike | None = None, *, png: bool = True,
-                 trace: bool = True) -> dict[str, Path]:
+                 trace: bool = True, trace_iterations: tuple[int, int] | None = None
+                 ) -> dict[str, Path]:
     """Write the report files of `tl` into `out_dir` (default: ``report/`` beside the timeline).
 
     Files: summary.csv (per iteration), summary.json (``run``, ``iterations``, ``decisions``),
-    gantt.png and trace.json (Chrome trace for Perfetto). Returns {name: path}.
+    gantt.png and trace.json (Chrome trace for Perfetto; only iterations first..last if
+    `trace_iterations` = (first, last)). Returns {name: path}.
     """
     out = Path(out_dir) if out_dir is not None else Path(tl.path).parent / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -54,7 +56,7 @@ def write_report(tl: Timeline, out_dir: str | os.PathLike | None = None, *, png:
         gantt(tl, files["gantt.png"])
     if trace:
         files["trace.json"] = out / "trace.json"
-        write_trace(tl, files["trace.json"])
+        write_trace(tl, files["trace.json"], trace_iterations)
     return files
 
 

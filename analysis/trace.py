@@ -28,7 +28,14 @@ from dynaresize.timeline import schema
 from .load import Timeline
 from .metrics import busy_segments, spans
 
-US = 1e6
+
+
+def _us(start, end) -> tuple[list, list]:
+    """ts and dur in microseconds, quantised to whole nanoseconds so that consecutive events
+    that touch do not overlap by a rounding error (Perfetto needs slices on a track to nest)."""
+    ts = np.rint(np.asarray(start, dtype=np.float64) * 1e9).astype(np.int64)
+    stop = np.rint(np.asarray(end, dtype=np.float64) * 1e9).astype(np.int64)
+    return (ts / 1000).tolist(), (np.maximum(stop - ts, 0) / 1000).tolist()
 
 TRACKS = {  # tid -> track name
     0: "busy",
@@ -82,9 +89,18 @@ def _lanes(rank: np.ndarray, tid: np.ndarray, start: np.ndarray, end: np.ndarray
     return lane
 
 
-def trace_events(tl: Timeline) -> Iterator[dict]:
-    """The trace events of `tl`, one dict at a time (metadata first)."""
-    ev = tl.events
+def _select(frame, iterations):
+    if iterations is None:
+        return frame
+    first, last = iterations
+    it = frame["iteration"]
+    return frame[(it >= first) & (it <= last)]
+
+
+def trace_events(tl: Timeline, iterations: tuple[int, int] | None = None) -> Iterator[dict]:
+    """The trace events of `tl`, one dict at a time (metadata first); with `iterations` =
+    (first, last), only events of those iterations (inclusive)."""
+    ev = _select(tl.events, iterations)
     names = ev["name"].astype(str).to_numpy(dtype=object) if len(ev) else np.array([], object)
     critical = ev["critical"].to_numpy()
     rank = ev["rank"].to_numpy().astype(np.int64)
@@ -95,7 +111,7 @@ def trace_events(tl: Timeline) -> Iterator[dict]:
     used = {}
     for r, t in set(zip(rank.tolist(), tid.tolist())):
         used.setdefault(r, set()).add(t)
-    seg = busy_segments(tl)
+    seg = _select(busy_segments(tl), iterations)
     for r in seg["rank"].unique().tolist():
         used.setdefault(int(r), set()).add(0)
     for r in tl.ranks.tolist():
@@ -107,23 +123,24 @@ def trace_events(tl: Timeline) -> Iterator[dict]:
             yield {"ph": "M", "name": "thread_name", "pid": r, "tid": t, "args": {"name": label}}
             yield {"ph": "M", "name": "thread_sort_index", "pid": r, "tid": t, "args": {"sort_index": t}}
 
-    sp = spans(tl)
-    for i, s in zip(sp["iteration"].tolist(), sp["start"].tolist()):
+    sp = _select(spans(tl), iterations)
+    for i, ts in zip(sp["iteration"].tolist(), _us(sp["start"], sp["end"])[0]):
         yield {"ph": "i", "s": "g", "name": f"iteration {i}", "cat": "iteration", "pid": 0,
-               "tid": 0, "ts": s * US, "args": {"iteration": i}}
+               "tid": 0, "ts": ts, "args": {"iteration": i}}
 
-    for i, r, s, e in zip(seg["iteration"].tolist(), seg["rank"].tolist(), seg["start"].tolist(),
-                          seg["end"].tolist()):
-        yield {"ph": "X", "name": "busy", "cat": "busy", "pid": r, "tid": 0, "ts": s * US,
-               "dur": (e - s) * US, "args": {"iteration": i}}
+    ts, dur = _us(seg["start"], seg["end"])
+    for i, r, t0, d in zip(seg["iteration"].tolist(), seg["rank"].tolist(), ts, dur):
+        yield {"ph": "X", "name": "busy", "cat": "busy", "pid": r, "tid": 0, "ts": t0, "dur": d,
+               "args": {"iteration": i}}
 
     category = np.where(np.isin(names, schema.SWITCH_OPS), "switch",
                         np.where(np.isin(names, schema.STAGES), "stage", "other"))
     attrs = ev["attrs"].tolist() if "attrs" in ev.columns else [""] * len(ev)
-    columns = zip(names.tolist(), category.tolist(), rank.tolist(), tid.tolist(), start.tolist(),
-                  end.tolist(), ev["iteration"].tolist(), ev["role"].astype(str).tolist(),
+    ts, dur = _us(start, end)
+    columns = zip(names.tolist(), category.tolist(), rank.tolist(), tid.tolist(), ts, dur,
+                  ev["iteration"].tolist(), ev["role"].astype(str).tolist(),
                   ev["tokens"].tolist(), ev["bytes"].tolist(), critical.tolist(), attrs)
-    for name, cat, r, t, s, e, it, role, tokens, nbytes, crit, raw in columns:
+    for name, cat, r, t, t0, d, it, role, tokens, nbytes, crit, raw in columns:
         args = {"iteration": it, "role": role, "tokens": tokens, "bytes": nbytes}
         if cat == "switch":
             args["critical"] = bool(crit == schema.CRITICAL)
@@ -132,8 +149,8 @@ def trace_events(tl: Timeline) -> Iterator[dict]:
                 args["attrs"] = schema.decode_attrs(raw.encode())
             except ValueError:
                 args["attrs"] = raw
-        yield {"ph": "X", "name": name, "cat": cat, "pid": r, "tid": t, "ts": s * US,
-               "dur": (e - s) * US, "args": args}
+        yield {"ph": "X", "name": name, "cat": cat, "pid": r, "tid": t, "ts": t0, "dur": d,
+               "args": args}
 
 
 def _metadata(tl: Timeline) -> dict:
@@ -141,20 +158,23 @@ def _metadata(tl: Timeline) -> dict:
             "schema_version": schema.SCHEMA_VERSION, "time_unit": "microseconds since job start"}
 
 
-def perfetto_trace(tl: Timeline) -> dict:
-    """The whole trace as a dict: ``{"traceEvents": [...], "displayTimeUnit": "ms", ...}``."""
-    return {"traceEvents": list(trace_events(tl)), "displayTimeUnit": "ms",
-            "metadata": _metadata(tl)}
+def perfetto_trace(tl: Timeline, iterations: tuple[int, int] | None = None) -> dict:
+    """The trace as a dict: ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": ...}``
+    (`json.dump` it). `iterations` = (first, last) limits it to those iterations."""
+    return {"traceEvents": list(trace_events(tl, iterations)), "displayTimeUnit": "ms",
+            "otherData": _metadata(tl)}
 
 
-def write_trace(tl: Timeline, path: str | os.PathLike) -> None:
-    """Write the trace JSON to `path`, one event at a time (no full copy in memory)."""
+def write_trace(tl: Timeline, path: str | os.PathLike,
+                iterations: tuple[int, int] | None = None) -> None:
+    """Write the trace JSON to `path`, one event at a time (no full copy in memory).
+    Large runs give large files (about 220 bytes an event): limit them with `iterations`."""
     with open(path, "w") as f:
-        f.write('{"displayTimeUnit": "ms", "metadata": ')
+        f.write('{"displayTimeUnit": "ms", "otherData": ')
         json.dump(_metadata(tl), f)
         f.write(', "traceEvents": [\n')
         first = True
-        for event in trace_events(tl):
+        for event in trace_events(tl, iterations):
             if not first:
                 f.write(",\n")
             f.write(json.dumps(event, separators=(",", ":")))

@@ -9,6 +9,7 @@ import os
 import sys
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -46,6 +47,9 @@ def start(cfg: JobConfig) -> int:
     from .launch import slurm
     return slurm.launch(cfg, config_path)
 
+
+# The typed schema is the base of conf/config.yaml: every field exists, with its type and default.
+ConfigStore.instance().store(name="dynaresize_schema", node=JobConfig)
 
 # conf/ sits beside the package in the source tree (installed with `pip install -e .`).
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -110,15 +111,17 @@ class PolicyConfig:
     max_units_per_move: int = 1
     smoothing: float = 0.5         # EMA weight of the newest iteration
     switch_cost_s: float = 0.5     # prior for the cost of a move, replaced by measurements
-    # scripted: {iteration: train_ranks}
-    schedule: dict[int, int] = field(default_factory=dict)
+    # scripted: train ranks of iteration 0, 1, 2, ... (the last entry holds afterwards)
+    schedule: list[int] = field(default_factory=list)
 
 
 @dataclass
 class StagingConfig:
     buffer_mb: int = 4             # chunk size of staged HDF5 datasets
-    critical: bool = False         # stage-in on the critical path (benchmark baseline)
+    critical: bool = False         # stage-out/in on the critical path (benchmark baseline)
     reuse_groups: bool = True      # False: create groups at switch time (benchmark baseline)
+    transport: str = "auto"        # file (node-local HDF5) | network (data plane) | auto: file on one node
+    fsync: bool = False            # fsync staged files (durability is not needed for a live switch)
 
 
 @dataclass
@@ -153,6 +156,11 @@ def load_config(raw: DictConfig | dict) -> JobConfig:
     if isinstance(raw, dict):
         raw = OmegaConf.create(raw)
     raw = OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"]) if "hydra" in raw else raw
+    unknown = unknown_fields(OmegaConf.to_container(raw, resolve=False), JobConfig)
+    if unknown:
+        raise ConfigError("invalid configuration:\n" + "\n".join(
+            f"  {name}: unknown field. Fix: check the spelling against dynaresize/config.py "
+            f"(or drop the override)." for name in unknown))
     try:
         merged = OmegaConf.merge(OmegaConf.structured(JobConfig), raw)
         cfg = OmegaConf.to_object(merged)
@@ -162,6 +170,18 @@ def load_config(raw: DictConfig | dict) -> JobConfig:
                           f"Fix the value (see conf/ for the defaults and their types).") from None
     validate(cfg)
     return cfg
+
+
+def unknown_fields(raw: dict, schema, prefix: str = "") -> list[str]:
+    """Keys of `raw` that the dataclass `schema` does not have (dict-typed fields take any key)."""
+    types = typing.get_type_hints(schema)
+    out = []
+    for key, value in raw.items():
+        if key not in types:
+            out.append(f"{prefix}{key}")
+        elif dataclasses.is_dataclass(types[key]) and isinstance(value, dict):
+            out += unknown_fields(value, types[key], f"{prefix}{key}.")
+    return out
 
 
 def to_yaml(cfg: JobConfig) -> str:
@@ -262,15 +282,19 @@ def validate(cfg: JobConfig) -> None:
     if p.name == "colocated":
         need(run.max_lag == 0, "run.max_lag", "colocated ranks do rollout and training in turn, nothing overlaps",
              "use run.max_lag=0 with policy=colocated")
-    for it, k in p.schedule.items():
-        need(1 <= k <= c.ranks - 1 and k % p.resize_unit == 0, f"policy.schedule[{it}]",
+    for it, k in enumerate(p.schedule):
+        need(1 <= k <= c.ranks - 1 and k % max(p.resize_unit, 1) == 0, f"policy.schedule[{it}]",
              f"{k} train ranks is outside 1..{c.ranks - 1} or not a multiple of resize_unit",
              "list valid splits")
+    if p.name == "scripted":
+        need(len(p.schedule) > 0, "policy.schedule", "is empty", "list the split of each iteration, e.g. [1,1,3,3]")
     need(0 < p.smoothing <= 1, "policy.smoothing", f"is {p.smoothing}", "use a value in (0, 1]")
     need(p.dead_band >= 0 and p.patience >= 1 and p.cooldown >= 0 and p.max_units_per_move >= 1,
          "policy.dead_band", "dead_band >= 0, patience >= 1, cooldown >= 0, max_units_per_move >= 1 required",
          "fix the hysteresis settings")
 
+    need(s.transport in ("auto", "file", "network"), "staging.transport", f"unknown {s.transport!r}",
+         "use auto, file or network")
     need(s.buffer_mb >= 1, "staging.buffer_mb", f"is {s.buffer_mb}", "use 1 or more (1-8 MiB chunks are fastest)")
     need(run.iterations >= 1, "run.iterations", f"is {run.iterations}", "use 1 or more")
     need(run.max_lag in (0, 1), "run.max_lag", f"is {run.max_lag}", "use 0 (synchronous) or 1 (one step off-policy)")

@@ -50,6 +50,13 @@ class GroupRegistry:
             self._create_split(k)                 # reuse off: a collective, on every rank, now
         return self._groups[(kind, k)]
 
+    def ensure(self, k: int) -> None:
+        """Make sure the groups of split k exist: a lookup with reuse; a collective creation without.
+        Called by every rank at the same point."""
+        if k != self.world:
+            for kind in ("train", "rollout", "sync"):
+                self.get(kind, k)
+
     def release_unreused(self, k: int) -> None:
         """Reuse off: forget the groups of split k, so the next switch to it creates them anew."""
         if not self.reuse:

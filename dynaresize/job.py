@@ -23,7 +23,8 @@ from .policy import Decision, IterationStats, make_policy
 from .roles import RoleTable
 from .rollout.base import GroupRequest, make_engine, place_groups
 from .timeline.recorder import Recorder
-from .timeline.schema import SWITCH_OPS
+from .staging import job_staging_dir, remove_dir
+from .timeline.schema import CRITICAL, SWITCH_OPS
 from .timeline.writer import TimelineWriter
 from .trainer import Sample, ShardedTrainer
 from .workload import digest, make_batch, reward, sample_seed
@@ -44,7 +45,11 @@ class Job:
         self.backend = ctrl.init_data_plane(cfg.cluster.device)
         self.device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
         self.rec = Recorder(self.rank, ctrl.now)
-        self.policy = make_policy(cfg.policy, self.world)
+        self.policy = make_policy(cfg.policy, self.world, cfg.run.max_lag)
+        self.status_path = os.path.join(self.run_dir, ".ranks", f"rank-{self.rank:05d}")
+        self.staging_dir = job_staging_dir(cfg.cluster.local_scratch, self.run_dir)
+        self.staged_files: list[str] = []
+        self.background_ops: list = []
         colocated = cfg.policy.name == "colocated"
 
         with self.rec.span(-1, "startup", "none") as ev:
@@ -53,6 +58,7 @@ class Job:
             self.checkpoint = self._shared_checkpoint()
             self.table = (RoleTable.colocated(self.world) if colocated
                           else RoleTable.split(self.world, self.policy.initial_train_ranks()))
+            self.registry.ensure(self.table.num_train)
             self.engine = self._start_engine() if self.table.generates(self.rank) else None
             self.trainer = self._start_trainer() if self.table.trains(self.rank) else None
             self.layout = self.trainer.layout if self.trainer else FlatLayout.of(model_skeleton(self.checkpoint))
@@ -99,9 +105,30 @@ class Job:
     def role(self) -> str:
         return self.table.role_of(self.rank).value
 
+    def set_status(self, text: str) -> None:
+        """What this rank is doing, for the launcher's report if the job dies (one small file)."""
+        os.makedirs(os.path.dirname(self.status_path), exist_ok=True)
+        with open(self.status_path, "w") as f:
+            f.write(text)
+
+    def staging_transport(self, train_block: int) -> str:
+        """file when the ranks that exchange state share a node (and its scratch), else network."""
+        if self.cfg.staging.transport != "auto":
+            return self.cfg.staging.transport
+        return "file" if len(set(self.ctrl.hostnames[:train_block])) == 1 else "network"
+
+    def settle_background(self) -> None:
+        """Wait for this rank's background switch operations (any wait is recorded as critical)."""
+        if self.trainer is not None:
+            self.trainer.resolve_pending()
+        for op in self.background_ops:
+            op.wait()
+        self.background_ops = []
+
     # --- the stages, in the order the recipe calls them ---------------------------------------
     def begin_iteration(self, it: int) -> None:
         self._t_begin = self.ctrl.now()
+        self.set_status(f"iteration {it} ({self.table.describe()}, {self.role})")
 
     def switch(self, it: int, decision: Decision) -> None:
         from .resize import switch
@@ -163,6 +190,7 @@ class Job:
 
     def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision:
         """Gather events to rank 0, write the timeline, decide the next split, broadcast it."""
+        self.settle_background()
         report = (self._t_begin, self.ctrl.now(), self.rec.take())
         reports = self.ctrl.gather(report)
         decision = None
@@ -174,13 +202,23 @@ class Job:
             self._write_timeline(it, events, start, end, generated, trained, decision)
             self._print_progress(it, events, start, end)
         self._new_samples = []
-        return self.ctrl.bcast(decision)
+        decision = self.ctrl.bcast(decision)
+        self._remove_staged_files()       # rank 0 broadcast only after every rank settled its reads
+        return decision
 
     def checkpoint_if_due(self, it: int, ready: list[Sample], decision: Decision) -> None:
         from .checkpoint import checkpoint_if_due
         checkpoint_if_due(self, it, ready, decision)
 
+    def _remove_staged_files(self) -> None:
+        for path in self.staged_files:
+            if os.path.exists(path):
+                os.remove(path)
+        self.staged_files = []
+
     def finish(self) -> None:
+        self.settle_background()
+        self._remove_staged_files()
         if self.rank == 0 and self.cfg.run.save_model:
             final = os.path.join(self.run_dir, "final_model")
             save_model(self.trainer.model, final, tokenizer_from=self.checkpoint)
@@ -192,14 +230,19 @@ class Job:
             print(f"[dynaresize] done: timeline {os.path.join(self.run_dir, 'timeline.h5')}", flush=True)
         if self.engine is not None:
             self.engine.close()
+        if self.ctrl.local_rank == 0:
+            remove_dir(self.staging_dir)
         dist.destroy_process_group()
 
     # --- rank 0 bookkeeping -------------------------------------------------------------------
     def _iteration_stats(self, it, events, generated, trained) -> IterationStats:
-        critical = [e for e in events if e["name"] in SWITCH_OPS and e["critical"] == 1]
+        critical: dict[int, float] = {}
+        for e in events:
+            if e["name"] in SWITCH_OPS and e["critical"] == CRITICAL:
+                critical[e["rank"]] = critical.get(e["rank"], 0.0) + e["end"] - e["start"]
         lengths = [len(s.response) for s in self._new_samples]
         return IterationStats(it, self.table.num_train, self.world, duration_max(events, "rollout"), duration_max(events, "train"),
-                              switch_time=max((e["end"] - e["start"] for e in critical), default=0.0),
+                              switch_time=max(critical.values(), default=0.0),
                               mean_length=float(np.mean(lengths)) if lengths else 0.0,
                               generated=generated is not None, trained=trained is not None)
 

@@ -78,11 +78,30 @@ class ShardedTrainer:
         self.group, self.group_ranks, self.index = None, [0], 0
         self.shard: ShardState | None = None
         self.optimizer: torch.optim.AdamW | None = None
+        self._pending = None
+
+    def resolve_pending(self) -> None:
+        """Wait for a shard being staged in (if any) and install it."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._install(pending.wait())
 
     # --- membership -------------------------------------------------------------------------
-    def join(self, group, group_ranks: list[int], my_rank: int, shard: ShardState | None = None) -> None:
-        """Become train rank `group_ranks.index(my_rank)` of `group`, owning `shard` (fresh if None)."""
+    def join(self, group, group_ranks: list[int], my_rank: int, shard: ShardState | None = None,
+             pending=None) -> None:
+        """Become train rank `group_ranks.index(my_rank)` of `group`, owning `shard` (fresh if None).
+
+        `pending` (an object with .wait() -> ShardState) delivers the shard later: a resize stages
+        it in while this rank already computes gradients; it is needed only at the optimizer step.
+        """
         self.group, self.group_ranks, self.index = group, list(group_ranks), group_ranks.index(my_rank)
+        self._pending = pending
+        if pending is not None:
+            self.shard, self.optimizer = None, None
+            return
+        self._install(shard)
+
+    def _install(self, shard: ShardState | None) -> None:
         lo, hi = self.my_range()
         if shard is None:
             shard = ShardState(lo, hi, self.flat[lo:hi].clone(), torch.zeros(hi - lo, device=self.device),
@@ -106,6 +125,7 @@ class ShardedTrainer:
 
     def export_shard(self) -> ShardState:
         """The optimizer state of this rank's range, e.g. to stage it out when leaving training."""
+        self.resolve_pending()
         master = self.shard.params
         state = self.optimizer.state.get(master, {})
         step = int(state["step"].item()) if "step" in state else 0
@@ -151,6 +171,7 @@ class ShardedTrainer:
 
     def apply_gradient(self, grad: torch.Tensor) -> None:
         """AdamW on this rank's range of `grad`, then all-gather the ranges into the full weights."""
+        self.resolve_pending()
         master = self.shard.params
         master.grad = grad[self.shard.lo:self.shard.hi].clone()
         self.optimizer.step()

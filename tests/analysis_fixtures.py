@@ -79,7 +79,9 @@ HAND_EVENTS = [
     ev(1, 1, "rollout", "rollout", 10.0, 15.0, tokens=15),
     ev(1, 1, "rollout", "exchange", 15.0, 18.0),
     ev(1, 1, "rollout", "weight_sync", 18.0, 19.0),
-    ev(1, 2, "rollout", "engine_start", 10.0, 12.0, critical=schema.CRITICAL),
+    ev(1, 2, "rollout", "stage_in", 9.0, 10.5, critical=schema.BACKGROUND),  # starts before span
+    # tagged with the rank's old role: the role of the rank's stage events (rollout) wins
+    ev(1, 2, "train", "engine_start", 10.0, 12.0, critical=schema.CRITICAL),
     ev(1, 2, "rollout", "weight_load", 11.5, 12.5, critical=schema.BACKGROUND),
     ev(1, 2, "rollout", "rollout", 12.0, 17.0, tokens=10),
     ev(1, 2, "rollout", "weight_sync", 18.0, 19.0),

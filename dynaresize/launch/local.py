@@ -5,8 +5,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 from ..config import JobConfig
+from ..staging import job_staging_dir, remove_dir
+from .failure import explain_failure
 
 
 def find_mpiexec(name: str) -> str:
@@ -32,6 +35,27 @@ def mpi_env() -> dict[str, str]:
     return env
 
 
+def run_and_watch(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
+    """Run `cmd`, passing its output through, and keep its lines for a failure report."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    lines: list[str] = []
+
+    def pump(src, dst):
+        for line in src:
+            dst.write(line)
+            dst.flush()
+            lines.append(line)
+
+    pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout)),
+             threading.Thread(target=pump, args=(proc.stderr, sys.stderr))]
+    for t in pumps:
+        t.start()
+    code = proc.wait()
+    for t in pumps:
+        t.join()
+    return code, lines
+
+
 def launch(cfg: JobConfig, config_path: str) -> int:
     mpiexec = find_mpiexec(cfg.cluster.mpiexec)
     cmd = [mpiexec, "-n", str(cfg.cluster.ranks)]
@@ -39,4 +63,12 @@ def launch(cfg: JobConfig, config_path: str) -> int:
         cmd += ["--oversubscribe", "--bind-to", "none"]   # more ranks than cores is fine for CPU runs
     cmd += list(cfg.cluster.mpiexec_args) + [sys.executable, "-m", "dynaresize.worker", config_path]
     print(f"[dynaresize] starting {cfg.cluster.ranks} ranks: {' '.join(cmd)}", flush=True)
-    return subprocess.run(cmd, env=mpi_env()).returncode
+    try:
+        code, lines = run_and_watch(cmd, mpi_env())
+    finally:                         # a rank that died cannot clean up its staged state
+        remove_dir(job_staging_dir(cfg.cluster.local_scratch, cfg.run.output_dir))
+    if code != 0:
+        why = explain_failure(lines, cfg.run.output_dir)
+        if why:
+            print(f"dynaresize: {why}", file=sys.stderr, flush=True)
+    return code

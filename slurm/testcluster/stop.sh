@@ -17,7 +17,8 @@ set -euo pipefail
     echo "testcluster: $1 does not exist, nothing to stop"
     exit 0
 }
-STATE_DIR=$(cd "$1" && pwd)
+# Same resolution as start.sh: daemons are recognised by their config path.
+STATE_DIR=$(realpath "$1")
 CONF=$STATE_DIR/slurm.conf
 PIDS=$STATE_DIR/pids
 
@@ -49,10 +50,13 @@ if [[ -n "${daemon_pid[slurmctld]:-}" ]]; then
     if [[ -n "$jobs" ]]; then
         # shellcheck disable=SC2086 # word splitting wanted: one id per word
         scancel $jobs 2>/dev/null || true
-        for _ in $(seq 50); do
-            [[ -z "$(squeue -h -o %A 2>/dev/null)" ]] && break
-            sleep 0.2
-        done
+        # Without a live slurmd the jobs never finish; do not wait for them.
+        if [[ -n "${daemon_pid[slurmd]:-}" ]]; then
+            for _ in $(seq 50); do
+                [[ -z "$(squeue -h -o %A 2>/dev/null)" ]] && break
+                sleep 0.2
+            done
+        fi
     fi
 fi
 
@@ -85,13 +89,25 @@ for name in slurmd slurmctld; do
     fi
 done
 
-# Job step daemons outlive slurmd if a job ignored cancellation. Ours are the
-# ones holding files open in this state directory (log, spool sockets).
+descendants() { # pid: all processes below it
+    local child
+    for child in $(pgrep -P "$1" || true); do
+        echo "$child"
+        descendants "$child"
+    done
+}
+
+# Job step daemons (and the job processes under them) outlive slurmd when it
+# died before the jobs could be cancelled. Ours are the slurmstepds holding
+# files open in this state directory (log, spool sockets).
 stray=()
 for pid in $(pgrep -x slurmstepd || true); do
-    if ls -l "/proc/$pid/fd" 2>/dev/null | grep -qF -- "$STATE_DIR/"; then
-        stray+=("$pid")
-    fi
+    for fd in "/proc/$pid/fd/"*; do
+        if [[ "$(readlink "$fd" 2>/dev/null)" == "$STATE_DIR/"* ]]; then
+            mapfile -t -O "${#stray[@]}" stray < <(echo "$pid"; descendants "$pid")
+            break
+        fi
+    done
 done
 if ((${#stray[@]})); then
     stop_pids "${stray[@]}"

@@ -1,0 +1,284 @@
+"""The switch: one resize as a small plan of timed operations, critical or background.
+
+Moving from k to k' train ranks (train ranks are the block [0, k), so old and new train sets are
+both prefixes of the ranks):
+
+  rank joining training   release engine --------------------> weight_load (from train rank 0)
+  rank leaving training   stage_out (spill shard) -> engine_start -> weight_load (own weights)
+  old owners staying      stage_out .................(background, overlaps the next stage)
+  every rank              commit (all ranks acknowledge v') first; group_switch (registry lookup)
+  new owners              stage_in of their new range .......(background until the optimizer step)
+
+Only what the next stage needs in order to start is critical. Optimizer state is needed at the
+optimizer step, after the forward and backward passes of the next training step, so staging it in
+overlaps that work; if it is not done by then, the wait is recorded as critical time. The commit
+comes first: every rank acknowledges the new table version before any rank acts on it, and a rank
+that fails anywhere in the switch aborts the whole job (see worker.py), so two versions are never
+live.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .flat import shard_range
+from .model import load_model
+from .policy import Decision
+from .roles import RoleTable
+from .staging import STATE_FIELDS, read_shard, shard_path, write_shard
+from .timeline.schema import BACKGROUND, CRITICAL
+from .trainer import ShardedTrainer, ShardState
+
+# Fault injection for tests: "RANK:OPERATION" makes that rank die (SIGKILL) when it starts that op.
+FAULT_ENV = "DYNARESIZE_INJECT_FAULT"
+
+
+class SwitchError(RuntimeError):
+    pass
+
+
+class Plan:
+    """Runs and records the operations of one switch on one rank."""
+
+    def __init__(self, job, it: int, old: RoleTable, new: RoleTable):
+        self.job, self.it, self.old, self.new = job, it, old, new
+        self.label = f"iteration {it}, table v{old.version} {old.describe()} -> v{new.version} {new.describe()}"
+
+    @contextlib.contextmanager
+    def op(self, name: str, critical: bool = True, **attrs):
+        job = self.job
+        job.set_status(f"switch operation {name!r} ({self.label})")
+        inject_fault(job.rank, name)
+        role = self.new.role_of(job.rank).value
+        try:
+            with job.rec.span(self.it, name, role, CRITICAL if critical else BACKGROUND, **attrs) as ev:
+                yield ev
+        except Exception as e:
+            raise SwitchError(f"rank {job.rank}: switch operation {name!r} failed ({self.label}): "
+                              f"{type(e).__name__}: {e}") from e
+
+    def background(self, name: str, fn, critical: bool = False) -> "BackgroundOp":
+        if critical:                      # baseline: run it now, on the critical path
+            with self.op(name) as ev:
+                result = fn()
+                ev["bytes"] = getattr(result, "nbytes", 0)
+            return Done(result)
+        self.job.set_status(f"switch operation {name!r} ({self.label}, background)")
+        inject_fault(self.job.rank, name)
+        op = BackgroundOp(self, name, fn)
+        self.job.background_ops.append(op)
+        return op
+
+
+class Done:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+
+class BackgroundOp:
+    """An operation in a thread. Its time is background, except the part the main thread waits for,
+    which is recorded as critical: the hidden share counts only what was really hidden."""
+
+    def __init__(self, plan: Plan, name: str, fn):
+        self.plan, self.name, self.fn = plan, name, fn
+        self.clock = plan.job.ctrl.now
+        self.start = self.clock()
+        self.end = None
+        self._result, self._error, self._recorded = None, None, False
+        self.thread = threading.Thread(target=self._run, name=f"dynaresize-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self._result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread by wait()
+            self._error = e
+        finally:
+            self.end = self.clock()
+
+    def wait(self):
+        waited_from = self.clock()
+        self.thread.join()
+        if not self._recorded:
+            self._recorded = True
+            self._record(waited_from)
+        if self._error is not None:
+            raise SwitchError(f"rank {self.plan.job.rank}: switch operation {self.name!r} failed "
+                              f"({self.plan.label}): {type(self._error).__name__}: {self._error}") from self._error
+        return self._result
+
+    def _record(self, waited_from: float) -> None:
+        job, plan = self.plan.job, self.plan
+        role = plan.new.role_of(job.rank).value
+        nbytes = getattr(self._result, "nbytes", 0) or 0
+        split = min(max(waited_from, self.start), self.end)
+        base = {"iteration": plan.it, "rank": job.rank, "role": role, "name": self.name, "tokens": 0}
+        job.rec.add({**base, "start": self.start, "end": split, "critical": BACKGROUND, "bytes": nbytes,
+                     "attrs": {}})
+        if self.end > split:               # the main thread had to wait: that part was not hidden
+            job.rec.add({**base, "start": split, "end": self.end, "critical": CRITICAL, "bytes": 0,
+                         "attrs": {"waited": True}})
+
+
+class Staged(int):
+    """Bytes written by a stage-out (an int that the recorder reads as nbytes)."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self)
+
+
+def inject_fault(rank: int, op: str) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec and spec == f"{rank}:{op}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def switch(job, it: int, decision: Decision) -> None:
+    """Move from the current table to one with `decision.to_train` train ranks."""
+    old = job.table
+    new = old.with_split(decision.to_train)
+    plan = Plan(job, it, old, new)
+    k, k2, r = old.num_train, new.num_train, job.rank
+    was_train, will_train = old.trains(r), new.trains(r)
+    numel = job.layout.numel
+    staging = job.cfg.staging
+    network = job.staging_transport(max(k, k2)) == "network"
+
+    with plan.op("commit"):                          # every rank acknowledges v' before anyone acts
+        versions = job.ctrl.allgather(new.version)
+        if len(set(versions)) != 1:
+            raise SwitchError(f"ranks disagree on the new table version: {versions}")
+
+    if not was_train and will_train:                 # joining training: the engine's memory goes first
+        with plan.op("release"):
+            job.engine.release()
+            job.engine = None
+
+    new_shard = None
+    if was_train:
+        shard = job.trainer.export_shard()
+        if network:                                  # across nodes: ranges move over the data plane
+            with plan.op("reshard") as ev:
+                new_shard = reshard_over_network(job, shard, k, k2, numel)
+                ev["bytes"] = 3 * (shard.hi - shard.lo) * 4
+        else:
+            path = shard_path(job.staging_dir, new.version, r)
+
+            def stage_out(shard=shard, path=path):
+                return Staged(write_shard(path, shard, new.version, staging.buffer_mb, staging.fsync))
+
+            if will_train:
+                plan.background("stage_out", stage_out, critical=staging.critical)
+            else:                                    # leaving: spill now, its memory is the engine's
+                with plan.op("stage_out") as ev:
+                    ev["bytes"] = int(stage_out())
+            job.staged_files.append(path)
+    elif network and r < max(k, k2):
+        with plan.op("reshard"):
+            new_shard = reshard_over_network(job, None, k, k2, numel)
+
+    with plan.op("group_switch", reuse=job.registry.reuse):
+        job.registry.ensure(k2)                      # a lookup; a collective creation only without reuse
+        job.registry.release_unreused(k)
+
+    if was_train and not will_train:                 # joining rollout: engine, then its own weights
+        with plan.op("engine_start"):
+            job.engine = job._start_engine()
+        with plan.op("weight_load") as ev:
+            job.engine.load_weights(job.layout.views(job.trainer.flat))
+            ev["bytes"] = numel * 4
+        job.trainer = None
+
+    if k2 > k and will_train:                        # the new train set gets train rank 0's weights
+        with plan.op("weight_load") as ev:
+            if job.trainer is None:
+                job.trainer = ShardedTrainer(load_model(job.checkpoint, "float32", job.device), job.cfg.trainer,
+                                             job.cfg.rollout.temperature, job.device)
+            dist.broadcast(job.trainer.flat, src=0, group=job.registry.get("train", k2))
+            ev["bytes"] = numel * 4
+
+    if will_train:
+        lo, hi = shard_range(numel, k2, new.train_ranks().index(r))
+        if network:
+            pending = Done(new_shard)
+        else:
+            pending = plan.background(
+                "stage_in", lambda: StagedIn(read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range)),
+                critical=staging.critical)
+        job.trainer.join(job.registry.get("train", k2), new.train_ranks(), r, pending=Unwrap(pending))
+
+    job.table = new
+    job.set_status(f"running ({new.describe()})")
+
+
+class StagedIn:
+    """A staged-in shard, with its size for the timeline."""
+
+    def __init__(self, shard: ShardState):
+        self.shard = shard
+        self.nbytes = 3 * (shard.hi - shard.lo) * 4
+
+
+class Unwrap:
+    def __init__(self, op):
+        self.op = op
+
+    def wait(self) -> ShardState:
+        result = self.op.wait()
+        return result.shard if isinstance(result, StagedIn) else result
+
+
+def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: int) -> ShardState | None:
+    """Move ranges between old and new owners over the data plane (ranks on different nodes).
+
+    Every rank of the train group [0, max(k, k')) takes part: each old owner broadcasts its shard
+    and each new owner keeps the overlap with its new range. Critical: collectives run on the main
+    thread.
+    """
+    K, r = max(k, k2), job.rank
+    group = job.registry.get("train", K) if K < job.world else dist.group.WORLD
+    lo, hi = shard_range(numel, k2, r) if r < k2 else (0, 0)
+    parts = {name: torch.zeros(hi - lo, device=job.device) for name in STATE_FIELDS}
+    step = 0
+    for q in range(k):
+        q_lo, q_hi = shard_range(numel, k, q)
+        n = q_hi - q_lo
+        buf = torch.empty(3 * n + 1, device=job.device)     # the three fields, then the step count
+        if r == q:
+            buf.copy_(torch.cat([getattr(shard, f).detach().reshape(-1) for f in STATE_FIELDS] +
+                                [torch.tensor([float(shard.step)], device=job.device)]))
+        dist.broadcast(buf, src=q, group=group)
+        step = int(buf[-1].item())
+        a, b = max(lo, q_lo), min(hi, q_hi)
+        if a < b:
+            for i, name in enumerate(STATE_FIELDS):
+                parts[name][a - lo:b - lo] = buf[i * n + a - q_lo:i * n + b - q_lo]
+    if r >= k2:
+        return None
+    return ShardState(lo, hi, parts["params"], parts["exp_avg"], parts["exp_avg_sq"], step)
+
+
+def colocated_release(job, it: int) -> None:
+    """Colocated: every rank frees its engine before training (a switch every iteration)."""
+    plan = Plan(job, it, job.table, job.table)
+    with plan.op("release"):
+        job.engine.release()
+
+
+def colocated_restore(job, it: int) -> None:
+    """Colocated: restore the engine after training and load the new weights (held locally)."""
+    plan = Plan(job, it, job.table, job.table)
+    with plan.op("engine_start"):
+        job.engine.restore()
+    with plan.op("weight_load") as ev:
+        job.engine.load_weights(job.layout.views(job.trainer.flat))
+        ev["bytes"] = job.layout.numel * 4

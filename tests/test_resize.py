@@ -1,0 +1,111 @@
+"""Issue 3, runtime resizing on real ranks: semantics preserved across resizes, group reuse,
+dynamic moves on the timeline, a rank dying mid-switch, and staging directories."""
+from __future__ import annotations
+
+import os
+import time
+
+import h5py
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from conftest import run_cli
+
+# 9 loop iterations (8 + lag 1): 4 resizes growing training and 4 shrinking it.
+SCHEDULE = "[1,3,2,3,1,2,1,3,2]"
+
+
+def timeline(run_dir):
+    with h5py.File(run_dir / "timeline.h5", "r") as f:
+        return {name: f[name][...] for name in ("events", "iterations", "samples", "decisions")}, dict(f.attrs)
+
+
+def max_rel_weight_diff(a_dir, b_dir) -> float:
+    a, b = load_file(a_dir / "final_model" / "model.safetensors"), load_file(b_dir / "final_model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    return max(float(((a[k] - b[k]).abs() / b[k].abs().clamp_min(1e-6)).max()) for k in a)
+
+
+def assert_same_rl(a_dir, b_dir):
+    """Same sampled tokens (per-sample digests) and the same final weights."""
+    (ta, _), (tb, _) = timeline(a_dir), timeline(b_dir)
+    key = ["batch", "index", "digest", "response_len", "reward"]
+    sa, sb = np.sort(ta["samples"][key], order=["batch", "index"]), np.sort(tb["samples"][key], order=["batch", "index"])
+    assert len(sa) == len(sb) > 0 and np.array_equal(sa, sb), "sampled tokens differ"
+    diff = max_rel_weight_diff(a_dir, b_dir)
+    assert diff <= 1e-5, f"final weights differ: max relative difference {diff}"
+    return diff
+
+
+def resizes(run_dir):
+    its = timeline(run_dir)[0]["iterations"]
+    splits = list(its["train_ranks"])
+    return splits, sum(b > a for a, b in zip(splits, splits[1:])), sum(b < a for a, b in zip(splits, splits[1:]))
+
+
+def test_scripted_resizes_preserve_tokens_and_weights(default_run, tmp_path):
+    static_dir, _ = default_run                       # static 2T/2R, lag 1, 8 iterations
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run = tmp_path / "scripted"
+    run_cli(run, "policy=scripted", f"policy.schedule={SCHEDULE}", f"cluster.local_scratch={scratch}")
+    splits, grows, shrinks = resizes(run)
+    assert splits == [1, 3, 2, 3, 1, 2, 1, 3, 2] and grows >= 3 and shrinks >= 3
+    assert_same_rl(run, static_dir)
+    events, attrs = timeline(run)
+    assert int(attrs["groups_created_after_startup"]) == 0
+    names = set(events["events"]["name"][events["events"]["critical"] >= 0])
+    assert {b"stage_out", b"stage_in", b"group_switch", b"commit", b"engine_start", b"weight_load",
+            b"release"} <= names
+    assert os.listdir(scratch) == [], "staging directory left behind"
+
+
+def test_lag0_resizes_without_reuse_over_network_transport(tmp_path):
+    common = ["run.max_lag=0", "run.iterations=8"]
+    static, scripted = tmp_path / "static", tmp_path / "scripted"
+    run_cli(static, *common)
+    run_cli(scripted, *common, "policy=scripted", "policy.schedule=[1,3,2,3,1,2,1,3]",
+            "staging.reuse_groups=false", "staging.transport=network")
+    assert_same_rl(scripted, static)
+    events, attrs = timeline(scripted)
+    assert int(attrs["groups_created_after_startup"]) > 0      # without reuse, every switch creates groups
+    assert b"reshard" in set(events["events"]["name"])
+
+
+def test_dynamic_policy_moves_and_records_its_reasons(tmp_path):
+    # One rollout rank against three trainers with long responses: clearly rollout-bound.
+    run = tmp_path / "dynamic"
+    proc = run_cli(run, "policy=dynamic", "policy.train_ranks=3", "policy.patience=2", "policy.cooldown=1",
+                   "policy.switch_cost_s=0.01", "workload.length_median=40", "run.iterations=8")
+    data, _ = timeline(run)
+    decisions = data["decisions"]
+    moves = decisions[decisions["action"] == b"move"]
+    assert len(moves) >= 1, decisions
+    assert all(m["to_train"] < m["from_train"] for m in moves)           # toward more rollout ranks
+    assert all(r.startswith(b"move: rollout-bound") for r in moves["reason"])
+    assert any(r.startswith(b"patience") for r in decisions["reason"])   # it waited before moving
+    first = moves[0]["iteration"]
+    assert data["iterations"]["train_ranks"][first + 1] == moves[0]["to_train"]
+    assert np.all(np.isfinite(moves["predicted_gain"])) and np.all(moves["predicted_gain"] > 0)
+    assert "split   2T/2R" in proc.stdout
+
+
+def test_rank_killed_mid_switch_fails_fast_naming_rank_and_operation(tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env_fault = {"DYNARESIZE_INJECT_FAULT": "1:stage_out"}    # rank 1 leaves training at iteration 2
+    start = time.monotonic()
+    old = {k: os.environ.get(k) for k in env_fault}
+    os.environ.update(env_fault)
+    try:
+        proc = run_cli(tmp_path / "run", "policy=scripted", "policy.schedule=[2,2,1]", "run.iterations=4",
+                       f"cluster.local_scratch={scratch}", check=False, timeout=120)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "rank 1 died" in proc.stderr and "'stage_out'" in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert os.listdir(scratch) == [], "staging directory left behind after the failure"
