@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -48,6 +49,9 @@ def start(cfg: JobConfig) -> int:
     return slurm.launch(cfg, config_path)
 
 
+# conf/hydra/launcher/submitit_slurm.yaml deliberately shadows the plugin's preset (same name).
+warnings.filterwarnings("ignore", message=".*is validated against ConfigStore schema with the same name.*")
+
 # The typed schema is the base of conf/config.yaml: every field exists, with its type and default.
 ConfigStore.instance().store(name="dynaresize_schema", node=JobConfig)
 
@@ -63,6 +67,8 @@ def main(raw: DictConfig) -> None:
         print(f"dynaresize: {e}", file=sys.stderr)
         sys.exit(2)
     code = start(cfg)
+    if code == 2:                      # refused before it started; the reason is printed already
+        sys.exit(2)
     if code != 0:
         print(f"dynaresize: the job failed (exit code {code}); see the rank errors above and "
               f"{cfg.run.output_dir}", file=sys.stderr)

@@ -17,6 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
+# conf/cluster/slurm.yaml: ranks = nodes x gpus_per_node
+OmegaConf.register_new_resolver("multiply", lambda a, b: int(a) * int(b), replace=True)
+
+
 class ConfigError(ValueError):
     """One or more invalid configuration values; the message lists each field and its fix."""
 

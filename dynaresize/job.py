@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import __version__
+from . import __version__, checkpoint
 from .comm import ControlPlane
 from .config import JobConfig, to_yaml
 from .flat import FlatLayout
@@ -52,54 +52,72 @@ class Job:
         self.background_ops: list = []
         colocated = cfg.policy.name == "colocated"
 
+        self.preemption = checkpoint.PreemptionWatch()
+        self.checkpoint_requested = False
+        resume = ctrl.bcast(checkpoint.find_resume(self.run_dir) if self.rank == 0 else None)
+
         with self.rec.span(-1, "startup", "none") as ev:
             self.registry = GroupRegistry(self.world, cfg.policy.resize_unit, cfg.staging.reuse_groups,
                                           colocated=colocated)
-            self.checkpoint = self._shared_checkpoint()
-            self.table = (RoleTable.colocated(self.world) if colocated
-                          else RoleTable.split(self.world, self.policy.initial_train_ranks()))
+            self.model_dir = self._shared_model_dir()
+            if resume is not None:
+                self.table = resume.table
+                self.policy.load_state(resume.policy_state)
+            else:
+                self.table = (RoleTable.colocated(self.world) if colocated
+                              else RoleTable.split(self.world, self.policy.initial_train_ranks()))
             self.registry.ensure(self.table.num_train)
-            self.engine = self._start_engine() if self.table.generates(self.rank) else None
-            self.trainer = self._start_trainer() if self.table.trains(self.rank) else None
-            self.layout = self.trainer.layout if self.trainer else FlatLayout.of(model_skeleton(self.checkpoint))
+            self.layout = FlatLayout.of(model_skeleton(self.model_dir))
+            weights = checkpoint.load_flat_params(resume, self.layout.numel) if resume else None
+            self.engine = self._start_engine(weights) if self.table.generates(self.rank) else None
+            self.trainer = self._start_trainer(weights, resume) if self.table.trains(self.rank) else None
             ev["attrs"]["groups"] = self.registry.creations
 
-        self.first_iteration = 0
-        self.pending_batch: list[Sample] = []
-        self.pending_decision: Decision | None = None
+        self.first_iteration = resume.iteration + 1 if resume else 0
+        self.pending_batch: list[Sample] = resume.pending_batch if resume else []
+        self.pending_decision: Decision | None = resume.pending_decision if resume else None
         self._new_samples: list[Sample] = []
         self._t_begin = 0.0
-        self.writer = self._open_timeline() if self.rank == 0 else None
+        self.writer = self._open_timeline(resume) if self.rank == 0 else None
+        if resume is not None and self.rank == 0:
+            print(f"[dynaresize] resumed from {resume.path} (iteration {resume.iteration + 1} done, "
+                  f"split {self.table.describe()})", flush=True)
 
     # --- start-up ----------------------------------------------------------------------------
-    def _shared_checkpoint(self) -> str:
+    def _shared_model_dir(self) -> str:
         """Rank 0 writes the initial model (or names the configured one); all ranks load it."""
         path = None
         if self.rank == 0:
             path = prepare_checkpoint(self.cfg.model, os.path.join(self.run_dir, "initial_model"))
         return self.ctrl.bcast(path)
 
-    def _start_engine(self):
-        return make_engine(self.cfg.rollout, self.checkpoint, self.cfg.model.dtype, self.device,
-                           self.cfg.run.seed)
+    def _start_engine(self, weights: torch.Tensor | None = None):
+        engine = make_engine(self.cfg.rollout, self.model_dir, self.cfg.model.dtype, self.device,
+                             self.cfg.run.seed)
+        if weights is not None:
+            engine.load_weights(self.layout.views(weights))
+        return engine
 
-    def _start_trainer(self, shard=None) -> ShardedTrainer:
-        model = load_model(self.checkpoint, "float32", self.device)
+    def _start_trainer(self, weights: torch.Tensor | None = None, resume=None) -> ShardedTrainer:
+        model = load_model(self.model_dir, "float32", self.device)
         trainer = ShardedTrainer(model, self.cfg.trainer, self.cfg.rollout.temperature, self.device)
-        self._join_training(trainer, shard)
+        if weights is not None:
+            trainer.flat.copy_(weights)
+        index = self.table.train_ranks().index(self.rank)
+        shard = checkpoint.load_shard(resume, self.layout.numel, index) if resume else None
+        trainer.join(self.registry.get("train", self.table.num_train), self.table.train_ranks(), self.rank, shard)
         return trainer
 
-    def _join_training(self, trainer: ShardedTrainer, shard=None) -> None:
-        k = self.table.num_train
-        trainer.join(self.registry.get("train", k), self.table.train_ranks(), self.rank, shard)
-
-    def _open_timeline(self) -> TimelineWriter:
+    def _open_timeline(self, resume) -> TimelineWriter:
         meta = {"mode": self.cfg.run.mode, "world_size": self.world, "mpi_world_size": self.ctrl.size,
                 "backend": self.backend, "device": self.device, "config": to_yaml(self.cfg),
                 "policy": self.cfg.policy.name, "max_lag": self.cfg.run.max_lag,
                 "hostnames": json.dumps(self.ctrl.hostnames), "parameters": self.layout.numel,
                 "dynaresize_version": __version__}
-        return TimelineWriter(os.path.join(self.run_dir, "timeline.h5"), meta)
+        path = os.path.join(self.run_dir, "timeline.h5")
+        if resume is not None and os.path.exists(path):
+            return TimelineWriter(path, meta, resume_after=resume.iteration)
+        return TimelineWriter(path, meta)
 
     @property
     def role(self) -> str:
@@ -191,24 +209,41 @@ class Job:
     def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision:
         """Gather events to rank 0, write the timeline, decide the next split, broadcast it."""
         self.settle_background()
-        report = (self._t_begin, self.ctrl.now(), self.rec.take())
+        report = (self._t_begin, self.ctrl.now(), self.rec.take(), self.preemption.requested)
         reports = self.ctrl.gather(report)
-        decision = None
+        decision, requested = None, False
         if self.rank == 0:
-            events = [e for _, _, evs in reports for e in evs]
+            requested = any(r[3] for r in reports)
+            events = [e for r in reports for e in r[2]]
             start, end = min(r[0] for r in reports), max(r[1] for r in reports)
             stats = self._iteration_stats(it, events, generated, trained)
             decision = self.policy.decide(stats)
             self._write_timeline(it, events, start, end, generated, trained, decision)
             self._print_progress(it, events, start, end)
         self._new_samples = []
-        decision = self.ctrl.bcast(decision)
+        decision, self.checkpoint_requested = self.ctrl.bcast((decision, requested))
         self._remove_staged_files()       # rank 0 broadcast only after every rank settled its reads
         return decision
 
-    def checkpoint_if_due(self, it: int, ready: list[Sample], decision: Decision) -> None:
-        from .checkpoint import checkpoint_if_due
-        checkpoint_if_due(self, it, ready, decision)
+    def checkpoint_if_due(self, it: int, ready: list[Sample], decision: Decision) -> bool:
+        """Checkpoint if due; True if Slurm is ending the job (it was requeued and resumes later)."""
+        written = checkpoint.checkpoint_if_due(self, it, ready, decision, self.checkpoint_requested)
+        if not (written and self.checkpoint_requested):
+            return False
+        if self.rank == 0:
+            print(f"[dynaresize] Slurm warned of the job's end: checkpointed after iteration {it + 1}; "
+                  f"requeueing", flush=True)
+            checkpoint.requeue_slurm_job()
+        self.suspend()
+        return True
+
+    def suspend(self) -> None:
+        """Stop without finishing: the timeline stays incomplete, to be continued on resume."""
+        if self.writer is not None:
+            self.writer.close(complete=False)
+        if self.engine is not None:
+            self.engine.close()
+        dist.destroy_process_group()
 
     def _remove_staged_files(self) -> None:
         for path in self.staged_files:
@@ -221,7 +256,7 @@ class Job:
         self._remove_staged_files()
         if self.rank == 0 and self.cfg.run.save_model:
             final = os.path.join(self.run_dir, "final_model")
-            save_model(self.trainer.model, final, tokenizer_from=self.checkpoint)
+            save_model(self.trainer.model, final, tokenizer_from=self.model_dir)
         self.ctrl.barrier()
         if self.writer is not None:
             self.writer.close(complete=True, end_time=self.ctrl.now(),

@@ -37,6 +37,7 @@ def run_job(cfg: JobConfig, ctrl: ControlPlane) -> None:
             job.sync_weights(it)
 
         decision = job.end_iteration(it, generated=generate, trained=train)
-        job.checkpoint_if_due(it, ready, decision)
+        if job.checkpoint_if_due(it, ready, decision):
+            return                                # Slurm is ending the job; the requeued job resumes
 
     job.finish()

@@ -201,7 +201,7 @@ def switch(job, it: int, decision: Decision) -> None:
     if k2 > k and will_train:                        # the new train set gets train rank 0's weights
         with plan.op("weight_load") as ev:
             if job.trainer is None:
-                job.trainer = ShardedTrainer(load_model(job.checkpoint, "float32", job.device), job.cfg.trainer,
+                job.trainer = ShardedTrainer(load_model(job.model_dir, "float32", job.device), job.cfg.trainer,
                                              job.cfg.rollout.temperature, job.device)
             dist.broadcast(job.trainer.flat, src=0, group=job.registry.get("train", k2))
             ev["bytes"] = numel * 4

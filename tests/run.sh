@@ -9,4 +9,17 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/pip install -q torch==2.13.0 -e '.[mpi,test]'
 export PATH="$PWD/.venv/bin:$PATH"
 
-.venv/bin/python -m pytest -q --timeout=600 "$@"
+# A real single-node Slurm cluster for tests/test_slurm.py (needs root for the daemons).
+slurm_dir=""
+if [ "$(id -u)" -eq 0 ] && [ "${DYNARESIZE_SKIP_SLURM:-0}" != 1 ]; then
+    bash slurm/testcluster/install.sh
+    slurm_dir=$(mktemp -d -t dynaresize-slurm.XXXXXX)
+    env_file=$(bash slurm/testcluster/start.sh "$slurm_dir" | tail -n 1)
+    trap 'bash slurm/testcluster/stop.sh "$slurm_dir" >/dev/null 2>&1 || true' EXIT
+    # shellcheck disable=SC1090
+    . "$env_file"
+else
+    echo "tests/run.sh: not root (or DYNARESIZE_SKIP_SLURM=1): the Slurm tests will be skipped" >&2
+fi
+
+.venv/bin/python -m pytest -q --timeout=900 "$@"

@@ -42,16 +42,27 @@ class TimelineWriter:
                 f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(CHUNK_ROWS,))
 
     def _truncate_after(self, iteration: int) -> None:
-        """Resume: keep only rows of completed iterations, so none is lost or repeated."""
-        with h5py.File(self.path, "a", libver="latest") as f:
-            check_file(f)
+        """Resume: keep only rows of completed iterations, so none is lost or repeated.
+
+        A writer that died leaves the file marked as open for SWMR writing, which HDF5 refuses to
+        open for writing again; a SWMR reader still can. So the kept rows are copied into a new
+        file that replaces the old one.
+        """
+        with h5py.File(self.path, "r", libver="latest", swmr=True) as old:
+            check_file(old)
+            attrs = dict(old.attrs)
+            kept = {}
             for name in DATASETS:
-                data = f[name][...]
-                keep = data[data["iteration"] <= iteration]
-                f[name].resize((len(keep),))
-                f[name][...] = keep
+                data = old[name][...]
+                kept[name] = data[data["iteration"] <= iteration]
+        tmp = f"{self.path}.resume"
+        with h5py.File(tmp, "w", libver="latest") as f:
+            f.attrs.update(attrs)
             f.attrs["complete"] = False
-            f.attrs["resumed"] = int(f.attrs.get("resumed", 0)) + 1
+            f.attrs["resumed"] = int(attrs.get("resumed", 0)) + 1
+            for name, dtype in DATASETS.items():
+                f.create_dataset(name, data=kept[name], maxshape=(None,), dtype=dtype, chunks=(CHUNK_ROWS,))
+        os.replace(tmp, self.path)
 
     def append(self, name: str, records: list[dict] | np.ndarray) -> None:
         if len(records) == 0:

@@ -1,0 +1,676 @@
+"""The cost model: how long each stage takes, as a function of the work it does.
+
+One model for three uses: the emulation mode of the runtime (a stage lasts what the model says a
+GPU would take), the cluster-scale simulator (dynaresize.sim) and calibration (dynaresize.calibrate),
+which fits the model to real timelines.
+
+Every stage time is LINEAR in a small set of coefficients (seconds per unit of work), so that a
+fit is a least-squares problem and a prediction is a dot product:
+
+rollout (one rank)   base + per_group x groups + per_step x decode steps + per_token x tokens
+                     + per_kv_token x sum over decode steps of the context tokens attended
+                     + per_prompt_token x prompt tokens (prefill)
+                     Decode steps: with `continuous` batching (vLLM) all sequences of the rank decode
+                     together, so the rank's longest sample sets the steps (the long tail); with
+                     `sequential` batching (the torch engine: one prompt group at a time) the steps
+                     are the sum over groups of each group's longest sample.
+train (one rank)     compute: per_micro_batch x micro-batches + per_token x tokens (forward+backward),
+                     then the group's synchronisation: base + per_inverse_rank / k (the optimizer step
+                     on a 1/k shard) + latency x log2 steps + per_byte x bytes of the gradient
+                     all-reduce and the parameter all-gather.
+weight_sync          base + latency x log2(ranks) + per_byte x bytes (broadcast) + load_per_byte x bytes
+exchange             base + latency x log2(world) + per_token x tokens of the batch (control plane)
+staging              base + bytes / disk bandwidth (write: stage_out, read: stage_in)
+switch operations    commit, group_switch, release, engine_start (cold), engine_wake (colocated
+                     restore), weight_load (local copy or broadcast), reshard (network transport)
+
+A hardware profile (conf/hardware/NAME.yaml) gives the coefficients either *analytically* from
+public hardware figures and a model size (GPU profiles: peak FLOP/s, HBM bandwidth, NVLink and
+InfiniBand bandwidth, NVMe bandwidth, engine start times; MFU/MBU assumptions stated), or
+*fitted* from real timelines (`python -m dynaresize.calibrate`, the CPU profile). The model size
+(parameters, layers, hidden size, KV heads) is an input: a GPU profile can price a 7B model while
+the job itself runs the tiny model.
+
+This module needs numpy and PyYAML only (no torch, no MPI).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+
+# conf/ beside the package in the source tree (as dynaresize.cli.CONF_DIR; not imported: hydra).
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+HARDWARE_DIR = os.path.join(CONF_DIR, "hardware")
+
+# dynaresize.model.VOCAB_SIZE (not imported here: that module imports torch). Tested equal.
+TINY_VOCAB_SIZE = 32
+
+
+class ProfileError(ValueError):
+    """A hardware profile that cannot be used; the message names the field and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The model being priced
+
+@dataclass
+class ModelSpec:
+    """Sizes of the model whose stages are priced (a Qwen2/Llama-style decoder)."""
+    name: str = "model"
+    params: float = 0.0            # number of parameters
+    layers: int = 1
+    hidden: int = 1
+    heads: int = 1                 # attention (query) heads
+    kv_heads: int = 1
+    head_dim: int = 1
+    weight_bytes: float = 2.0      # bytes per parameter in the inference engine (bf16: 2, float32: 4)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes of one token: K and V of every layer."""
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * self.weight_bytes
+
+    @property
+    def attention_flops_per_context_token(self) -> float:
+        """Decode FLOPs per attended context token: q.k and p.v in every layer."""
+        return 4.0 * self.layers * self.heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
+        return _build(cls, d, "model")
+
+    @classmethod
+    def from_model_config(cls, m) -> "ModelSpec":
+        """The model a job runs (dynaresize.config.ModelConfig): a Hugging Face checkpoint's
+        config.json when `path` is set, else the tiny Qwen2 built from the config's sizes."""
+        dtype_bytes = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}.get(m.dtype, 4.0)
+        if m.path:
+            with open(os.path.join(m.path, "config.json")) as f:
+                c = json.load(f)
+            heads = int(c["num_attention_heads"])
+            hidden = int(c["hidden_size"])
+            spec = qwen2_params(vocab=int(c["vocab_size"]), hidden=hidden, layers=int(c["num_hidden_layers"]),
+                                heads=heads, kv_heads=int(c.get("num_key_value_heads", heads)),
+                                intermediate=int(c["intermediate_size"]),
+                                tied=bool(c.get("tie_word_embeddings", False)),
+                                head_dim=int(c.get("head_dim") or hidden // heads))
+            return cls(name=os.path.basename(os.path.normpath(m.path)), params=spec, layers=int(c["num_hidden_layers"]),
+                       hidden=hidden, heads=heads, kv_heads=int(c.get("num_key_value_heads", heads)),
+                       head_dim=int(c.get("head_dim") or hidden // heads), weight_bytes=dtype_bytes)
+        head_dim = m.hidden_size // max(m.num_heads, 1)
+        params = qwen2_params(vocab=TINY_VOCAB_SIZE, hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
+                              kv_heads=m.num_kv_heads, intermediate=m.intermediate_size, tied=False,
+                              head_dim=head_dim)
+        return cls(name="tiny", params=float(params), layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads,
+                   kv_heads=m.num_kv_heads, head_dim=head_dim, weight_bytes=dtype_bytes)
+
+
+def qwen2_params(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                 tied: bool = False, head_dim: int | None = None) -> int:
+    """Parameter count of a Qwen2 decoder (q/k/v with bias, o, gated MLP, RMS norms)."""
+    head_dim = head_dim or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_layer = (hidden * q + q) + 2 * (hidden * kv + kv) + q * hidden + 3 * hidden * intermediate + 2 * hidden
+    return vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
+
+
+# ---------------------------------------------------------------------------------------------
+# Coefficients: what every prediction is made of
+
+@dataclass
+class RolloutCoef:
+    base_s: float = 0.0
+    per_group_s: float = 0.0
+    per_step_s: float = 0.0
+    per_token_s: float = 0.0
+    per_kv_token_s: float = 0.0
+    per_prompt_token_s: float = 0.0
+
+
+@dataclass
+class TrainCoef:
+    base_s: float = 0.0
+    per_micro_batch_s: float = 0.0
+    per_token_s: float = 0.0
+    per_inverse_rank_s: float = 0.0      # optimizer step over all parameters on one rank (divided by k)
+    latency_s: float = 0.0               # per log2(k) step of a collective
+    per_byte_intra_s: float = 0.0        # collective bytes inside a node
+    per_byte_inter_s: float = 0.0        # collective bytes across nodes
+
+
+@dataclass
+class SyncCoef:
+    """Broadcasts from one rank (weight sync, weight load of new train ranks, network reshard)."""
+    base_s: float = 0.0
+    latency_s: float = 0.0
+    per_byte_intra_s: float = 0.0
+    per_byte_inter_s: float = 0.0
+    load_per_byte_s: float = 0.0         # weight sync only: loading the received weights into the engine
+
+
+@dataclass
+class ExchangeCoef:
+    base_s: float = 0.0
+    latency_s: float = 0.0
+    per_token_s: float = 0.0             # prompt + response tokens of the batch handed over
+
+
+@dataclass
+class StagingCoef:
+    write_base_s: float = 0.0
+    write_per_byte_s: float = 0.0
+    read_base_s: float = 0.0
+    read_per_byte_s: float = 0.0
+
+
+@dataclass
+class OpsCoef:
+    commit_s: float = 0.0
+    group_switch_s: float = 0.0
+    release_s: float = 0.0
+    engine_start_s: float = 0.0          # a new engine on a rank leaving training (cold start)
+    engine_wake_s: float = 0.0           # colocated: restore the released engine
+    weight_load_local_s: float = 0.0     # copy the rank's own weights into its new engine ...
+    weight_load_local_per_byte_s: float = 0.0   # ... plus this per byte
+    drain_s: float = 0.0
+
+
+@dataclass
+class RunCoef:
+    iteration_overhead_s: float = 0.0    # gather events, decide, broadcast: the end of every iteration
+    startup_s: float = 0.0
+
+
+@dataclass
+class Coefficients:
+    rollout: RolloutCoef = field(default_factory=RolloutCoef)
+    train: TrainCoef = field(default_factory=TrainCoef)
+    sync: SyncCoef = field(default_factory=SyncCoef)
+    exchange: ExchangeCoef = field(default_factory=ExchangeCoef)
+    staging: StagingCoef = field(default_factory=StagingCoef)
+    ops: OpsCoef = field(default_factory=OpsCoef)
+    run: RunCoef = field(default_factory=RunCoef)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "Coefficients":
+        d = dict(d or {})
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ProfileError(f"coefficients: unknown sections {sorted(unknown)}. Fix: use "
+                               f"{[f.name for f in dataclasses.fields(cls)]}")
+        kw = {}
+        for f in dataclasses.fields(cls):
+            sub = f.default_factory()  # type: ignore[misc]
+            kw[f.name] = _build(type(sub), d.get(f.name) or {}, f"coefficients.{f.name}")
+        return cls(**kw)
+
+    def flat(self) -> dict[str, float]:
+        """{"rollout.per_step_s": value, ...}"""
+        return {f"{sec}.{k}": v for sec, vals in self.to_dict().items() for k, v in vals.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware profiles
+
+@dataclass
+class HardwareProfile:
+    """One machine class. `kind: analytic` derives the coefficients from the figures below and the
+    model; `kind: fitted` gives them directly (`coefficients`, from dynaresize.calibrate)."""
+    name: str = "profile"
+    kind: str = "analytic"               # analytic | fitted
+    description: str = ""
+    # compute (one GPU)
+    peak_flops: float = 0.0              # dense BF16 FLOP/s
+    hbm_bandwidth: float = 0.0           # B/s
+    mfu_train: float = 0.4               # achieved / peak FLOP/s in training
+    mfu_prefill: float = 0.5
+    mfu_decode: float = 0.3
+    mbu_decode: float = 0.7              # achieved / peak HBM bandwidth in decode
+    decode_step_overhead_s: float = 0.0  # host-side work per decode step (scheduling, sampling)
+    batching: str = "continuous"         # continuous (vLLM) | sequential (torch engine: one group at a time)
+    max_num_seqs: int = 256              # sequences decoded together (continuous batching)
+    rollout_base_s: float = 0.0
+    train_base_s: float = 0.0
+    optimizer_bytes_per_param: float = 28.0   # AdamW in float32: read p, g, m, v; write p, m, v
+    # network
+    gpus_per_node: int = 8               # 0: every rank on one node
+    intra_node_bandwidth: float = 0.0    # B/s per GPU, one direction
+    inter_node_bandwidth: float = 0.0    # B/s per GPU, one direction
+    network_efficiency: float = 1.0      # achieved / link bandwidth of collectives
+    collective_latency_s: float = 0.0    # per log2(ranks) step
+    control_plane_bandwidth: float = 0.0  # B/s: MPI + (de)serialisation of the sample exchange
+    exchange_bytes_per_token: float = 16.0
+    # storage (node-local, per GPU)
+    disk_write_bandwidth: float = 0.0
+    disk_read_bandwidth: float = 0.0
+    staging_base_s: float = 0.0
+    # engine and switch
+    engine_start_s: float = 0.0
+    engine_wake_s: float = 0.0
+    engine_release_s: float = 0.0
+    commit_s: float = 0.0
+    group_switch_s: float = 0.0
+    iteration_overhead_s: float = 0.0
+    startup_s: float = 0.0
+    # a uniform multiplier of every predicted time (emulation of a slower/faster machine); 1 = as priced
+    time_scale: float = 1.0
+    model: Optional[ModelSpec] = None    # None: the job's own model (ModelSpec.from_model_config)
+    coefficients: Optional[Coefficients] = None   # kind=fitted
+    fitted_params: float = 0.0           # kind=fitted: parameters of the model it was fitted on
+    fit: dict = field(default_factory=dict)       # kind=fitted: the fit report (errors, rows, sources)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "HardwareProfile":
+        d = dict(d)
+        model = d.pop("model", None)
+        coefficients = d.pop("coefficients", None)
+        fit = d.pop("fit", None) or {}
+        prof = _build(cls, d, "hardware")
+        prof.model = ModelSpec.from_dict(model) if model else None
+        prof.coefficients = Coefficients.from_dict(coefficients) if coefficients else None
+        prof.fit = dict(fit)
+        prof.check()
+        return prof
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["model"] = dataclasses.asdict(self.model) if self.model else None
+        out["coefficients"] = self.coefficients.to_dict() if self.coefficients else None
+        return out
+
+    def check(self) -> None:
+        errors = []
+        if self.kind not in ("analytic", "fitted"):
+            errors.append(f"hardware.kind: unknown kind {self.kind!r}. Fix: use analytic or fitted")
+        if self.batching not in ("continuous", "sequential"):
+            errors.append(f"hardware.batching: unknown {self.batching!r}. Fix: use continuous or sequential")
+        if self.kind == "fitted" and self.coefficients is None:
+            errors.append("hardware.coefficients: a fitted profile needs its coefficients. "
+                          "Fix: write the profile with `python -m dynaresize.calibrate`")
+        if self.kind == "analytic":
+            for name in ("peak_flops", "hbm_bandwidth", "mfu_train", "mfu_prefill", "mfu_decode", "mbu_decode",
+                         "intra_node_bandwidth", "inter_node_bandwidth", "network_efficiency",
+                         "control_plane_bandwidth", "disk_write_bandwidth", "disk_read_bandwidth"):
+                if not getattr(self, name) > 0:
+                    errors.append(f"hardware.{name}: is {getattr(self, name)}; an analytic profile needs a "
+                                  f"positive value. Fix: give it (with its source)")
+        if self.max_num_seqs < 1:
+            errors.append(f"hardware.max_num_seqs: is {self.max_num_seqs}. Fix: use 1 or more")
+        if self.gpus_per_node < 0:
+            errors.append(f"hardware.gpus_per_node: is {self.gpus_per_node}. Fix: use 0 (one node) or more")
+        if not self.time_scale > 0:
+            errors.append(f"hardware.time_scale: is {self.time_scale}. Fix: use a positive factor (1 = as priced)")
+        if errors:
+            raise ProfileError("invalid hardware profile:\n  " + "\n  ".join(errors))
+
+
+def _build(cls, d: Mapping[str, Any], where: str):
+    """A dataclass from a mapping: unknown keys are errors, numbers given as strings are converted."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in d if k not in names]
+    if unknown:
+        raise ProfileError(f"{where}: unknown fields {unknown}. Fix: check the spelling against "
+                           f"dynaresize/costmodel.py ({cls.__name__})")
+    kw = {}
+    for key, value in d.items():
+        default = names[key].default
+        if isinstance(default, bool):
+            kw[key] = bool(value)
+        elif isinstance(default, float) and value is not None:
+            try:
+                kw[key] = float(value)
+            except (TypeError, ValueError):
+                raise ProfileError(f"{where}.{key}: {value!r} is not a number") from None
+        elif isinstance(default, int) and value is not None:
+            kw[key] = int(float(value))
+        else:
+            kw[key] = value
+    return cls(**kw)
+
+
+def profile_path(name: str) -> str:
+    return os.path.join(HARDWARE_DIR, f"{name}.yaml")
+
+
+def available_profiles() -> list[str]:
+    if not os.path.isdir(HARDWARE_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(HARDWARE_DIR) if f.endswith(".yaml"))
+
+
+def load_profile(spec: "str | os.PathLike | Mapping | HardwareProfile") -> HardwareProfile:
+    """A profile from a name (conf/hardware/NAME.yaml), a YAML path, a mapping, or a profile."""
+    if isinstance(spec, HardwareProfile):
+        return spec
+    if isinstance(spec, Mapping):
+        return HardwareProfile.from_dict(_plain(spec))
+    import yaml
+    path = os.fspath(spec)
+    if not os.path.exists(path):
+        path = profile_path(path)
+    if not os.path.exists(path):
+        raise ProfileError(f"hardware profile {spec!r} not found. Fix: use one of {available_profiles()} "
+                           f"(conf/hardware/) or a YAML path")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return HardwareProfile.from_dict(data)
+
+
+def _plain(obj):
+    """OmegaConf containers (or anything mapping-like) to plain dicts and lists."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+        if isinstance(obj, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(obj, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model
+
+def _log2_steps(ranks) -> np.ndarray | float:
+    r = np.maximum(np.asarray(ranks, dtype=np.float64), 1.0)
+    out = np.ceil(np.log2(r))
+    return float(out) if np.ndim(out) == 0 else out
+
+
+class CostModel:
+    """Stage durations for one job: a profile, the model being priced and the job's batch shape.
+
+    All methods return seconds (already multiplied by the profile's `time_scale`).
+    """
+
+    def __init__(self, profile: HardwareProfile | str, model: ModelSpec | None = None, *,
+                 samples_per_prompt: int = 4, micro_batch_size: int = 4, grad_reduce_bytes: int = 8,
+                 reference_model: bool = False):
+        self.profile = load_profile(profile)
+        self.model = self.profile.model or model
+        if self.model is None:
+            raise ProfileError(f"hardware profile {self.profile.name!r} has no model and none was given. "
+                               f"Fix: give hardware.model or build the cost model with CostModel.for_job")
+        self.samples_per_prompt = samples_per_prompt
+        self.micro_batch_size = micro_batch_size
+        self.grad_reduce_bytes = grad_reduce_bytes
+        self.reference_model = reference_model
+        self.gpus_per_node = self.profile.gpus_per_node
+        self.continuous = self.profile.batching == "continuous"
+        self.max_num_seqs = self.profile.max_num_seqs
+        self.scale = self.profile.time_scale
+        if self.profile.kind == "fitted":
+            self.coef = self.profile.coefficients
+        else:
+            self.coef = analytic_coefficients(self.profile, self.model, reference_model=reference_model)
+
+    @classmethod
+    def for_job(cls, cfg, profile: HardwareProfile | str | Mapping) -> "CostModel":
+        """The cost model of a job config (dynaresize.config.JobConfig)."""
+        profile = load_profile(profile)
+        model = profile.model or ModelSpec.from_model_config(cfg.model)
+        return cls(profile, model, samples_per_prompt=cfg.rollout.samples_per_prompt,
+                   micro_batch_size=cfg.trainer.micro_batch_size,
+                   grad_reduce_bytes=8 if cfg.trainer.grad_reduce_dtype == "float64" else 4,
+                   reference_model=cfg.trainer.kl_coef > 0)
+
+    # --- sizes the runtime moves ----------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        """Parameters of the flat training vector (the priced model)."""
+        return int(self.model.params)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of a weight sync or weight load: the runtime moves the float32 flat vector."""
+        return 4 * self.numel
+
+    def shard_bytes(self, shards: int) -> int:
+        """Bytes of one rank's staged optimizer shard: float32 params, exp_avg, exp_avg_sq."""
+        return 3 * 4 * (-(-self.numel // max(shards, 1)))
+
+    def multi_node(self, ranks: int) -> bool:
+        """Whether a group of `ranks` consecutive ranks (from rank 0) spans nodes."""
+        return self.gpus_per_node > 0 and ranks > self.gpus_per_node
+
+    # --- rollout -----------------------------------------------------------------------------
+    def rollout_features(self, groups: Sequence, prompt_lens: Sequence[int] | None = None,
+                         samples_per_prompt: int | None = None) -> dict[str, float]:
+        """Work of one rank's rollout: `groups` is one entry per prompt group, either the response
+        lengths of its samples (a list) or its length cap (an int: `samples_per_prompt` samples
+        running to the cap). `prompt_lens`: prompt tokens of each group (default 0)."""
+        spp = samples_per_prompt or self.samples_per_prompt
+        lens = [np.asarray(g if isinstance(g, (list, tuple, np.ndarray)) else [g] * spp, dtype=np.float64)
+                for g in groups]
+        plens = np.zeros(len(lens)) if prompt_lens is None else np.asarray(prompt_lens, dtype=np.float64)
+        longest = np.array([g.max() if len(g) else 0.0 for g in lens])
+        tokens = float(sum(g.sum() for g in lens))
+        kv = float(sum((p * g + g * (g - 1) / 2).sum() for p, g in zip(plens, lens)))
+        prompt_tokens = float(sum(p * len(g) for p, g in zip(plens, lens)))
+        seqs = sum(len(g) for g in lens)
+        if self.continuous:
+            steps = float(longest.max()) if len(longest) else 0.0
+            steps = max(steps, tokens / self.max_num_seqs) if seqs > self.max_num_seqs else steps
+        else:
+            steps = float(longest.sum())
+        return {"base": 1.0, "groups": float(len(lens)), "steps": steps, "tokens": tokens, "kv": kv,
+                "prompt_tokens": prompt_tokens}
+
+    def rollout_time(self, groups: Sequence, prompt_lens: Sequence[int] | None = None,
+                     samples_per_prompt: int | None = None) -> float:
+        """Seconds one rollout rank takes to generate `groups` (see rollout_features)."""
+        return self.rollout_from_features(self.rollout_features(groups, prompt_lens, samples_per_prompt))
+
+    def rollout_from_features(self, f: Mapping[str, Any]):
+        c = self.coef.rollout
+        t = (c.base_s * f["base"] + c.per_group_s * f["groups"] + c.per_step_s * f["steps"]
+             + c.per_token_s * f["tokens"] + c.per_kv_token_s * f["kv"] + c.per_prompt_token_s * f["prompt_tokens"])
+        return t * self.scale
+
+    def rollout_rank_features(self, assign: np.ndarray, caps: np.ndarray, prompt_lens: np.ndarray,
+                              ranks: int) -> dict[str, np.ndarray]:
+        """rollout_features for every rank at once: prompt i (cap caps[i]) runs on rank assign[i]
+        with samples_per_prompt samples that run to the cap."""
+        spp = float(self.samples_per_prompt)
+        caps = np.asarray(caps, dtype=np.float64)
+        plens = np.asarray(prompt_lens, dtype=np.float64)
+        groups = np.bincount(assign, minlength=ranks).astype(np.float64)
+        tokens = np.bincount(assign, weights=caps * spp, minlength=ranks)
+        kv = np.bincount(assign, weights=spp * (plens * caps + caps * (caps - 1) / 2), minlength=ranks)
+        prompt_tokens = np.bincount(assign, weights=plens * spp, minlength=ranks)
+        if self.continuous:
+            steps = np.zeros(ranks)
+            np.maximum.at(steps, assign, caps)
+            crowded = groups * spp > self.max_num_seqs
+            steps = np.where(crowded, np.maximum(steps, tokens / self.max_num_seqs), steps)
+        else:
+            steps = np.bincount(assign, weights=caps, minlength=ranks)
+        return {"base": np.ones(ranks), "groups": groups, "steps": steps, "tokens": tokens, "kv": kv,
+                "prompt_tokens": prompt_tokens}
+
+    def rollout_times(self, assign: np.ndarray, caps: np.ndarray, prompt_lens: np.ndarray, ranks: int) -> np.ndarray:
+        """Seconds of every rollout rank (vectorised rollout_time)."""
+        return self.rollout_from_features(self.rollout_rank_features(assign, caps, prompt_lens, ranks))
+
+    # --- training ----------------------------------------------------------------------------
+    def train_compute_time(self, tokens, micro_batches=1):
+        """Forward and backward passes of one train rank over `tokens` in `micro_batches`."""
+        c = self.coef.train
+        return (c.per_micro_batch_s * np.asarray(micro_batches, dtype=np.float64)
+                + c.per_token_s * np.asarray(tokens, dtype=np.float64)) * self.scale
+
+    def train_sync_parts(self, train_ranks: int) -> tuple[float, float, float]:
+        """(before the optimizer step: base + gradient all-reduce; the optimizer step on a 1/k shard;
+        after it: the parameter all-gather) for a train group of `train_ranks`."""
+        c, k = self.coef.train, max(int(train_ranks), 1)
+        per_byte = c.per_byte_inter_s if self.multi_node(k) else c.per_byte_intra_s
+        reduce = gather = 0.0
+        if k > 1:
+            steps = _log2_steps(k)
+            reduce = 2 * steps * c.latency_s + per_byte * 2 * (k - 1) / k * self.grad_reduce_bytes * self.numel
+            gather = steps * c.latency_s + per_byte * (k - 1) / k * 4 * self.numel
+        return ((c.base_s + reduce) * self.scale, c.per_inverse_rank_s / k * self.scale, gather * self.scale)
+
+    def train_sync_time(self, train_ranks: int) -> float:
+        return float(sum(self.train_sync_parts(train_ranks)))
+
+    def train_time(self, tokens: int, train_ranks: int, micro_batches: int = 1) -> float:
+        """Seconds of one train rank's update: its forward/backward over `tokens` (prompt + response
+        tokens of its micro-batches) and the group's synchronisation and optimizer step."""
+        return float(self.train_compute_time(tokens, micro_batches)) + self.train_sync_time(train_ranks)
+
+    def train_stage_time(self, batch_tokens: int, train_ranks: int, micro_batches: int | None = None) -> float:
+        """The train stage with the batch spread evenly over `train_ranks`."""
+        k = max(int(train_ranks), 1)
+        mb = micro_batches if micro_batches is not None else 1
+        return self.train_time(math.ceil(batch_tokens / k), k, math.ceil(mb / k))
+
+    # --- data movement -----------------------------------------------------------------------
+    def broadcast_time(self, nbytes: int, ranks: int, multi_node: bool | None = None) -> float:
+        """A broadcast of `nbytes` from one rank to a group of `ranks` (pipelined: bandwidth-bound)."""
+        c = self.coef.sync
+        if ranks <= 1:
+            return c.base_s * self.scale
+        multi = self.multi_node(ranks) if multi_node is None else multi_node
+        per_byte = c.per_byte_inter_s if multi else c.per_byte_intra_s
+        return (c.base_s + c.latency_s * _log2_steps(ranks) + per_byte * nbytes) * self.scale
+
+    def weight_sync_time(self, nbytes: int | None = None, ranks: int = 2, multi_node: bool | None = None) -> float:
+        """Train rank 0 broadcasts the weights to the rollout ranks (`ranks` = 1 + rollout ranks),
+        which load them into their engines."""
+        nbytes = self.weight_bytes if nbytes is None else nbytes
+        return self.broadcast_time(nbytes, ranks, multi_node) + self.coef.sync.load_per_byte_s * nbytes * self.scale
+
+    def exchange_time(self, tokens: int, world: int) -> float:
+        """The control-plane hand-over of the generated batch (`tokens`: its prompt + response
+        tokens) to every rank."""
+        c = self.coef.exchange
+        return (c.base_s + c.latency_s * _log2_steps(world) + c.per_token_s * tokens) * self.scale
+
+    def staging_time(self, nbytes: int, write: bool = True) -> float:
+        """Spilling (write) or reading back (read) `nbytes` of optimizer state on node-local disk."""
+        c = self.coef.staging
+        if write:
+            return (c.write_base_s + c.write_per_byte_s * nbytes) * self.scale
+        return (c.read_base_s + c.read_per_byte_s * nbytes) * self.scale
+
+    def reshard_time(self, nbytes: int, ranks: int, broadcasts: int) -> float:
+        """Network transport: each of `broadcasts` old owners broadcasts its shard to the `ranks`
+        of the train block; `nbytes` in total."""
+        c = self.coef.sync
+        multi = self.multi_node(ranks)
+        per_byte = c.per_byte_inter_s if multi else c.per_byte_intra_s
+        return (broadcasts * (c.base_s + c.latency_s * _log2_steps(ranks)) + per_byte * nbytes) * self.scale
+
+    # --- switch operations -------------------------------------------------------------------
+    def switch_op_time(self, name: str, nbytes: int = 0, ranks: int = 1, broadcasts: int = 1,
+                       colocated: bool = False) -> float:
+        """One switch operation (schema.SWITCH_OPS) on one rank.
+
+        commit: all `ranks` acknowledge the new table; release: free the engine; engine_start: a
+        new engine (colocated=True: wake the released one); weight_load: `ranks`=1 copies the
+        rank's own weights into its engine, more broadcasts them from train rank 0; stage_out /
+        stage_in: write / read `nbytes`; reshard: see reshard_time; group_switch: a registry lookup.
+        """
+        o = self.coef.ops
+        if name == "commit":
+            return (o.commit_s + self.coef.sync.latency_s * _log2_steps(ranks)) * self.scale
+        if name == "group_switch":
+            return o.group_switch_s * self.scale
+        if name == "release":
+            return o.release_s * self.scale
+        if name == "engine_start":
+            return (o.engine_wake_s if colocated else o.engine_start_s) * self.scale
+        if name == "weight_load":
+            if ranks <= 1:
+                return (o.weight_load_local_s + o.weight_load_local_per_byte_s * nbytes) * self.scale
+            return self.broadcast_time(nbytes, ranks)
+        if name == "stage_out":
+            return self.staging_time(nbytes, write=True)
+        if name == "stage_in":
+            return self.staging_time(nbytes, write=False)
+        if name == "reshard":
+            return self.reshard_time(nbytes, ranks, broadcasts)
+        if name == "drain":
+            return o.drain_s * self.scale
+        raise ValueError(f"unknown switch operation {name!r}")
+
+    def iteration_overhead(self) -> float:
+        return self.coef.run.iteration_overhead_s * self.scale
+
+    def startup_time(self) -> float:
+        return self.coef.run.startup_s * self.scale
+
+    def describe(self) -> str:
+        m = self.model
+        return (f"{self.profile.name} ({self.profile.kind}, {self.profile.batching} batching), model "
+                f"{m.name} {m.params / 1e9:.3g}B params")
+
+
+def analytic_coefficients(p: HardwareProfile, m: ModelSpec, reference_model: bool = False) -> Coefficients:
+    """Coefficients from hardware figures and the model size (see conf/hardware/h100.yaml)."""
+    P = float(m.params)
+    hbm_eff = p.hbm_bandwidth * p.mbu_decode
+    net = p.network_efficiency
+    train_flops_per_token = (6.0 + (2.0 if reference_model else 0.0)) * P
+    return Coefficients(
+        rollout=RolloutCoef(
+            base_s=p.rollout_base_s,
+            per_group_s=0.0,
+            # every decode step reads all weights once (memory-bound) plus host work per step
+            per_step_s=P * m.weight_bytes / hbm_eff + p.decode_step_overhead_s,
+            per_token_s=2.0 * P / (p.peak_flops * p.mfu_decode),
+            per_kv_token_s=(m.kv_bytes_per_token / hbm_eff
+                            + m.attention_flops_per_context_token / (p.peak_flops * p.mfu_decode)),
+            per_prompt_token_s=2.0 * P / (p.peak_flops * p.mfu_prefill)),
+        train=TrainCoef(
+            base_s=p.train_base_s,
+            per_micro_batch_s=0.0,
+            per_token_s=train_flops_per_token / (p.peak_flops * p.mfu_train),
+            per_inverse_rank_s=P * p.optimizer_bytes_per_param / p.hbm_bandwidth,
+            latency_s=p.collective_latency_s,
+            per_byte_intra_s=1.0 / (p.intra_node_bandwidth * net),
+            per_byte_inter_s=1.0 / (p.inter_node_bandwidth * net)),
+        sync=SyncCoef(
+            base_s=0.0,
+            latency_s=p.collective_latency_s,
+            per_byte_intra_s=1.0 / (p.intra_node_bandwidth * net),
+            per_byte_inter_s=1.0 / (p.inter_node_bandwidth * net),
+            load_per_byte_s=1.0 / p.hbm_bandwidth),
+        exchange=ExchangeCoef(
+            base_s=0.0,
+            latency_s=p.collective_latency_s,
+            per_token_s=p.exchange_bytes_per_token / p.control_plane_bandwidth),
+        staging=StagingCoef(
+            write_base_s=p.staging_base_s, write_per_byte_s=1.0 / p.disk_write_bandwidth,
+            read_base_s=p.staging_base_s, read_per_byte_s=1.0 / p.disk_read_bandwidth),
+        ops=OpsCoef(
+            commit_s=p.commit_s, group_switch_s=p.group_switch_s, release_s=p.engine_release_s,
+            engine_start_s=p.engine_start_s, engine_wake_s=p.engine_wake_s,
+            weight_load_local_s=0.0, weight_load_local_per_byte_s=1.0 / p.hbm_bandwidth),
+        run=RunCoef(iteration_overhead_s=p.iteration_overhead_s, startup_s=p.startup_s),
+    )
+
+
+def job_profile(cfg, hardware: Any = None) -> HardwareProfile:
+    """The profile of a job: `hardware` (name, path, mapping or profile), else the config's
+    `hardware` field if the schema has one, else the CPU profile of this setting (cpu_tiny)."""
+    if hardware is None:
+        hardware = getattr(cfg, "hardware", None)
+    if hardware is None or hardware == {}:
+        hardware = "cpu_tiny"
+    return load_profile(hardware)
+
+
+__all__ = ["CostModel", "HardwareProfile", "ModelSpec", "Coefficients", "ProfileError", "load_profile",
+           "available_profiles", "analytic_coefficients", "job_profile", "qwen2_params", "CONF_DIR"]

@@ -1,0 +1,14 @@
+"""Cluster-scale simulation of DynaResize jobs: the runtime's recipe, workload, placement,
+policies and switch plan, priced by dynaresize.costmodel, written as a timeline.
+
+    from dynaresize.sim import simulate
+    path = simulate(cfg)          # cfg: a JobConfig, a composed config, or a SimSetup
+
+Command line: `python -m dynaresize.sim.cli` (console script `dynaresize-sim`).
+"""
+from __future__ import annotations
+
+from .config import SimOptions, SimSetup, compose, prepare, setup_from_overrides
+from .core import Simulator, simulate
+
+__all__ = ["simulate", "Simulator", "SimOptions", "SimSetup", "prepare", "compose", "setup_from_overrides"]

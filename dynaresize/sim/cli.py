@@ -1,0 +1,45 @@
+"""`dynaresize-sim`: simulate a job at any scale from the same Hydra config as `dynaresize`.
+
+    python -m dynaresize.sim.cli cluster.ranks=1024 run.iterations=1000 rollout.prompts_per_batch=2048
+    python -m dynaresize.sim.cli +hardware=h100 policy=dynamic ...
+    python -m dynaresize.sim.cli -m +experiment=seed_comparison cluster.ranks=64 policy=static 'sim.train_units=range(1,32)'
+
+It composes conf/ (the runtime's schema plus `hardware` and `sim`, see dynaresize.sim.config),
+runs the discrete-event simulation (dynaresize.sim.core) and writes RUN_DIR/timeline.h5 in the
+runtime's schema (file attribute mode="simulate"): `python -m analysis.cli RUN_DIR` and
+`python -m analysis.cli compare MULTIRUN_DIR` read it unchanged. Exit status 2 for a bad config.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ..config import ConfigError
+from .config import prepare, register_schema
+from .core import Simulator, summary_line
+
+register_schema()
+from ..cli import CONF_DIR  # noqa: E402  (after the schema: dynaresize.cli registers its own first)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(raw: DictConfig) -> None:
+    try:
+        setup = prepare(raw)
+    except ConfigError as e:
+        print(f"dynaresize-sim: {e}", file=sys.stderr)
+        sys.exit(2)
+    run_dir = HydraConfig.get().runtime.output_dir
+    setup.cfg.run.output_dir = os.path.abspath(run_dir)
+    sim = Simulator(setup, run_dir)
+    path = sim.run()
+    print(f"[dynaresize-sim] {summary_line(path)}  ({sim.cm.describe()})\n[dynaresize-sim] timeline {path}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

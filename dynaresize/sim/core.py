@@ -1,0 +1,473 @@
+"""A discrete-event simulation of a whole job: the recipe of loop.py, priced by the cost model.
+
+Every iteration is bulk-synchronous in the runtime (it ends with a gather on rank 0), so the
+simulation advances one iteration at a time with one clock per rank, as numpy arrays:
+
+    switch (resize.py's plan: commit, release, stage_out, reshard, group_switch, engine_start,
+            weight_load, stage_in; critical ops advance the rank's clock, background ones run
+            beside it and whatever the rank has to wait for at the end is critical)
+    rollout   rollout ranks, prompt groups placed as place_groups places them
+    exchange  every rank, after rollout (max_lag 0) or after training (max_lag 1)
+    train     train ranks: forward/backward on their micro-batches, then gradient all-reduce,
+              optimizer step (waits for a pending stage_in) and parameter all-gather
+    weight_sync  train rank 0 and the rollout ranks
+    end       background ops settled, gather, decide (the same policy objects as the runtime)
+
+Collectives end at the same time on every member (the last arrival plus the operation's cost).
+Responses run to their length cap (a random tiny model rarely emits <eos> early; on a GPU the cap
+stands for the response length). The output is a timeline in the runtime's schema, written with
+TimelineWriter, so `python -m analysis.cli` reads it unchanged. Deterministic: a function of the
+config (noise included, seeded by run.seed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from .. import __version__
+from ..costmodel import CostModel
+from ..policy import Decision, IterationStats, make_policy
+from ..timeline import schema
+from ..timeline.writer import TimelineWriter
+from .config import SimSetup
+from .oracle import OraclePolicy
+from .workload import batch_caps, exact_prompt_lens, place, sampled_prompt_lens
+
+ROLE_CODES = {name: i for i, name in enumerate(schema.ROLES)}
+TRAIN, ROLLOUT, BOTH, NONE = (ROLE_CODES[r] for r in ("train", "rollout", "both", "none"))
+ROLE_BYTES = np.array([r.encode() for r in schema.ROLES], dtype="S8")
+NAME_CODES = {name: i for i, name in enumerate(schema.EVENT_NAMES)}
+NAME_BYTES = np.array([n.encode() for n in schema.EVENT_NAMES], dtype="S16")
+EXACT_PROMPTS_LIMIT = 50_000      # prompts per run up to which `exact_prompts: auto` builds them
+
+
+class EventBuffer:
+    """Timeline events as column arrays, turned into schema.EVENT_DTYPE rows in bulk."""
+
+    def __init__(self):
+        self.parts: list[tuple] = []
+        self.rows = 0
+
+    def add(self, iteration, ranks, roles, name, start, end, critical=schema.NOT_A_SWITCH, tokens=0, nbytes=0):
+        ranks = np.asarray(ranks, dtype=np.int64)
+        n = len(ranks)
+        if n == 0:
+            return
+        self.parts.append((iteration, ranks, roles, NAME_CODES[name], np.broadcast_to(start, n),
+                           np.broadcast_to(end, n), critical, np.broadcast_to(tokens, n),
+                           np.broadcast_to(nbytes, n)))
+        self.rows += n
+
+    def take(self) -> np.ndarray:
+        out = np.zeros(self.rows, dtype=schema.EVENT_DTYPE)
+        pos = 0
+        for it, ranks, roles, name, start, end, critical, tokens, nbytes in self.parts:
+            sl = slice(pos, pos + len(ranks))
+            out["iteration"][sl] = it
+            out["rank"][sl] = ranks
+            out["role"][sl] = ROLE_BYTES[roles]
+            out["name"][sl] = NAME_BYTES[name]
+            out["start"][sl] = start
+            out["end"][sl] = end
+            out["critical"][sl] = critical
+            out["tokens"][sl] = tokens
+            out["bytes"][sl] = nbytes
+            pos += len(ranks)
+        self.parts, self.rows = [], 0
+        return out
+
+
+class Simulator:
+    def __init__(self, setup: SimSetup, out_dir: str | os.PathLike | None = None):
+        self.setup = setup
+        cfg = self.cfg = setup.cfg
+        self.options = setup.options
+        self.cm = CostModel.for_job(cfg, setup.profile)
+        self.W = cfg.cluster.ranks
+        self.lag = cfg.run.max_lag
+        self.iterations = cfg.run.iterations
+        self.spp = cfg.rollout.samples_per_prompt
+        self.mbs = cfg.trainer.micro_batch_size
+        self.prompts = cfg.rollout.prompts_per_batch
+        self.seed = cfg.run.seed
+        self.out_dir = os.fspath(out_dir or cfg.run.output_dir or os.getcwd())
+        self.noise = setup.options.noise
+        self.rng = np.random.default_rng([abs(int(self.seed)), 0x6E6F6973])
+        mode = setup.options.exact_prompts
+        self.exact_prompts = mode == "yes" or (mode == "auto" and
+                                               self.prompts * self.iterations <= EXACT_PROMPTS_LIMIT)
+        self._batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._predictions: dict[tuple[int, int], tuple[float, float, float]] = {}
+
+        name = cfg.policy.name
+        self.colocated = name == "colocated"
+        self.free_switch = name == "oracle"
+        if name == "oracle":
+            self.policy = OraclePolicy(cfg.policy, self.W, self.lag, self)
+        else:
+            self.policy = make_policy(cfg.policy, self.W, self.lag)
+        self.k = self.W if self.colocated else self.policy.initial_train_ranks()
+        self.version = 0
+        self.events = EventBuffer()
+        self.rows: dict[str, list] = {"iterations": [], "decisions": [], "samples": []}
+
+    # --- workload ----------------------------------------------------------------------------
+    def batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(length caps, prompt lengths) of batch b, per prompt."""
+        if b not in self._batches:
+            w = self.cfg.workload
+            caps = batch_caps(w, self.seed, b, self.prompts)
+            plens = (exact_prompt_lens if self.exact_prompts else sampled_prompt_lens)(w, self.seed, b, self.prompts)
+            self._batches[b] = (caps, plens)
+            for old in [x for x in self._batches if x < b - 2 and x not in (b,)]:
+                del self._batches[old]
+        return self._batches[b]
+
+    def _noise(self, n: int | None = None):
+        if self.noise <= 0:
+            return 1.0 if n is None else np.ones(n)
+        z = self.rng.standard_normal(1 if n is None else n)
+        f = np.maximum(1.0 + self.noise * z, 0.05)
+        return float(f[0]) if n is None else f
+
+    def roles(self) -> np.ndarray:
+        if self.colocated:
+            return np.full(self.W, BOTH, dtype=np.int64)
+        r = np.full(self.W, ROLLOUT, dtype=np.int64)
+        r[: self.k] = TRAIN
+        return r
+
+    def rollout_ranks(self) -> np.ndarray:
+        return np.arange(self.W) if self.colocated else np.arange(self.k, self.W)
+
+    def train_ranks(self) -> np.ndarray:
+        return np.arange(self.W) if self.colocated else np.arange(self.k)
+
+    def train_work(self, b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, micro-batches) of each of k train ranks for batch b: micro-batch j of the
+        index-ordered batch goes to train rank j mod k (trainer.compute_gradient)."""
+        caps, plens = self.batch(b)
+        tok = np.repeat(plens + caps, self.spp).astype(np.float64)
+        mb = np.arange(len(tok)) // self.mbs
+        mb_tok = np.bincount(mb, weights=tok)
+        owner = np.arange(len(mb_tok)) % k
+        return np.bincount(owner, weights=mb_tok, minlength=k), np.bincount(owner, minlength=k).astype(np.float64)
+
+    def exchanged_tokens(self, b: int | None) -> float:
+        if b is None:
+            return 0.0
+        caps, plens = self.batch(b)
+        return float((plens + caps).sum() * self.spp)
+
+    # --- the oracle's prediction ---------------------------------------------------------------
+    def predict(self, it: int, k: int) -> tuple[float, float, float]:
+        """(iteration time, rollout time, train time) of iteration `it` with k train ranks, with
+        no noise and no switch (the oracle's view)."""
+        key = (it, k)
+        if key in self._predictions:
+            return self._predictions[key]
+        cm, W = self.cm, self.W
+        gen = it if it < self.iterations else None
+        trn = it - self.lag if it >= self.lag else None
+        roll = train = sync = 0.0
+        if gen is not None:
+            caps, plens = self.batch(gen)
+            R = W - k
+            roll = float(cm.rollout_times(place(caps, R), caps, plens, R).max())
+        if trn is not None:
+            tok, mb = self.train_work(trn, k)
+            train = float(np.max(cm.train_compute_time(tok, mb))) + cm.train_sync_time(k)
+            sync = cm.weight_sync_time(cm.weight_bytes, 1 + W - k, multi_node=cm.multi_node(W))
+        exch = cm.exchange_time(self.exchanged_tokens(gen), W)
+        total = (max(roll, train) if self.lag >= 1 else roll + train) + exch + sync + cm.iteration_overhead()
+        self._predictions[key] = (total, roll, train)
+        if len(self._predictions) > 20000:
+            self._predictions.clear()
+        return total, roll, train
+
+    # --- one iteration -----------------------------------------------------------------------
+    def run(self) -> str:
+        os.makedirs(self.out_dir, exist_ok=True)
+        path = os.path.join(self.out_dir, "timeline.h5")
+        if os.path.exists(path):
+            os.remove(path)
+        cm = self.cm
+        meta = {"mode": "simulate", "world_size": self.W, "mpi_world_size": 0, "backend": "none",
+                "device": "simulated", "config": self.setup.config_yaml(), "policy": self.cfg.policy.name,
+                "max_lag": self.lag, "parameters": cm.numel, "hardware": cm.profile.name,
+                "model": cm.model.name, "hostnames": json.dumps([]), "dynaresize_version": __version__}
+        wall0 = time.perf_counter()
+        writer = TimelineWriter(path, meta)
+        try:
+            startup = cm.startup_time() * self._noise(self.W)
+            self.events.add(-1, np.arange(self.W), np.full(self.W, NONE), "startup", 0.0, startup)
+            self.clock = float(np.max(startup))
+            decision = None
+            last = self.iterations + self.lag
+            for it in range(last):
+                decision = self.iteration(it, decision)
+                if (it + 1) % self.options.flush_every == 0 or it == last - 1:
+                    self.flush(writer)
+            wall = time.perf_counter() - wall0
+            writer.close(complete=True, end_time=self.clock, sim_wall_s=wall,
+                         groups_created_at_startup=0, groups_created_after_startup=0)
+        except BaseException:
+            writer.close(complete=False)
+            raise
+        self.wall_s = time.perf_counter() - wall0
+        return path
+
+    def flush(self, writer: TimelineWriter) -> None:
+        writer.append("events", self.events.take())
+        writer.append("iterations", self.rows["iterations"])
+        writer.append("decisions", self.rows["decisions"])
+        if self.rows["samples"]:
+            writer.append("samples", np.concatenate(self.rows["samples"]))
+        writer.flush()
+        self.rows = {"iterations": [], "decisions": [], "samples": []}
+
+    def iteration(self, it: int, decision: Decision | None) -> Decision:
+        cm, W, ev = self.cm, self.W, self.events
+        T = self.clock
+        t = np.full(W, T)
+        critical = np.zeros(W)                    # critical switch time per rank
+        background: list[tuple] = []              # (ranks, name, start, end, bytes) to settle
+        pending: dict = {}                        # stage_in of new train ranks: rank -> (start, end)
+        if decision is not None and decision.moves:
+            if self.free_switch:
+                self.k, self.version = decision.to_train, self.version + 1
+            else:
+                self.switch(it, t, decision.to_train, critical, background, pending)
+        roles = self.roles()
+        generate = it if it < self.iterations else None
+        train = it - self.lag if it >= self.lag else None
+
+        # rollout
+        rollout_time, mean_length = 0.0, 0.0
+        if generate is not None:
+            caps, plens = self.batch(generate)
+            rr = self.rollout_ranks()
+            R = len(rr)
+            assign = place(caps, R)
+            dur = cm.rollout_times(assign, caps, plens, R) * self._noise(R)
+            tokens = np.bincount(assign, weights=caps * self.spp, minlength=R)
+            ev.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens)
+            t[rr] += dur
+            rollout_time = float(dur.max())
+            mean_length = float(caps.mean())
+            self.rows["samples"].append(self.sample_rows(it, generate, caps, plens, rr[assign]))
+        if self.lag == 0:
+            self.exchange(it, t, roles, generate)
+
+        # training
+        train_time = 0.0
+        if train is not None:
+            train_time = self.train(it, t, roles, train, critical, pending)
+        if self.lag == 1:
+            self.exchange(it, t, roles, generate)
+        if train is not None and not self.colocated:
+            part = np.concatenate(([0], np.arange(self.k, W)))
+            dur = cm.weight_sync_time(cm.weight_bytes, len(part), multi_node=cm.multi_node(W)) * self._noise()
+            end = t[part].max() + dur
+            ev.add(it, part, roles[part], "weight_sync", t[part], end, nbytes=cm.weight_bytes)
+            t[part] = end
+
+        # end of the iteration: settle background ops, gather, decide
+        for r, (start, end, nbytes) in pending.items():   # stage_in never waited for (no training)
+            background.append((np.array([r]), "stage_in", np.array([start]), np.array([end]), nbytes))
+        for ranks, name, start, end, nbytes in background:
+            self.settle(it, t, roles, ranks, name, start, end, nbytes, critical)
+        end_it = float(t.max()) + cm.iteration_overhead()
+        self.rows["iterations"].append({
+            "iteration": it, "table_version": self.version, "train_ranks": self.k,
+            "rollout_ranks": self.W if self.colocated else self.W - self.k, "start": T, "end": end_it,
+            "trained_batch": -1 if train is None else train,
+            "generated_batch": -1 if generate is None else generate})
+        stats = IterationStats(it, self.k, W, rollout_time, train_time, switch_time=float(critical.max()),
+                               mean_length=mean_length, generated=generate is not None, trained=train is not None)
+        decision = self.policy.decide(stats)
+        self.rows["decisions"].append(decision.row(self.version + int(decision.moves)))
+        if self.options.progress:
+            print(f"[dynaresize-sim] iter {it + 1:>5}/{self.iterations + self.lag}  split "
+                  f"{self.describe():>9}  rollout {rollout_time:8.2f}s  train {train_time:8.2f}s  "
+                  f"span {end_it - T:8.2f}s  {decision.reason}", flush=True)
+        self.clock = end_it
+        return decision
+
+    def describe(self) -> str:
+        return f"{self.W}C" if self.colocated else f"{self.k}T/{self.W - self.k}R"
+
+    def sample_rows(self, it, b, caps, plens, prompt_ranks) -> np.ndarray:
+        n, spp = len(caps), self.spp
+        out = np.zeros(n * spp, dtype=schema.SAMPLE_DTYPE)
+        out["iteration"] = it
+        out["batch"] = b
+        out["index"] = np.arange(n * spp)
+        out["prompt"] = np.repeat(np.arange(n), spp)
+        out["rank"] = np.repeat(prompt_ranks, spp)
+        out["prompt_len"] = np.repeat(plens, spp)
+        out["response_len"] = np.repeat(caps, spp)
+        out["length_cap"] = out["response_len"]
+        return out
+
+    def exchange(self, it, t, roles, generate) -> None:
+        dur = self.cm.exchange_time(self.exchanged_tokens(generate), self.W) * self._noise()
+        end = t.max() + dur
+        self.events.add(it, np.arange(self.W), roles, "exchange", t.copy(), end)
+        t[:] = end
+
+    def op(self, it, t, roles, ranks, name, dur, critical, nbytes=0, collective=False) -> None:
+        """A critical switch op on `ranks`: each starts at its clock; a collective ends together."""
+        start = t[ranks].copy()
+        end = (start.max() + dur) if collective else start + dur
+        self.events.add(it, ranks, roles[ranks], name, start, end, schema.CRITICAL, nbytes=nbytes)
+        critical[ranks] += end - start
+        t[ranks] = end
+
+    def settle(self, it, t, roles, ranks, name, start, end, nbytes, critical) -> None:
+        """A background op waited for at `t`: hidden until then, critical after (resize.BackgroundOp)."""
+        split = np.minimum(np.maximum(t[ranks], start), end)
+        self.events.add(it, ranks, roles[ranks], name, start, split, schema.BACKGROUND, nbytes=nbytes)
+        late = end > split
+        if late.any():
+            r = ranks[late]
+            self.events.add(it, r, roles[r], name, split[late], end[late], schema.CRITICAL)
+            critical[r] += end[late] - split[late]
+            t[r] = np.maximum(t[r], end[late])
+
+    # --- the switch (resize.switch) -----------------------------------------------------------
+    def switch(self, it, t, k2, critical, background, pending) -> None:
+        cm, W, k = self.cm, self.W, self.k
+        K = max(k, k2)
+        transport = self.cfg.staging.transport
+        network = transport == "network" or (transport == "auto" and cm.multi_node(K))
+        self.k, self.version = k2, self.version + 1
+        roles = self.roles()                          # ops are recorded with the new table's roles
+        everyone = np.arange(W)
+        self.op(it, t, roles, everyone, "commit", cm.switch_op_time("commit", ranks=W) * self._noise(),
+                critical, collective=True)
+        if k2 > k:                                     # joining training: the engine goes first
+            joining = np.arange(k, k2)
+            self.op(it, t, roles, joining, "release",
+                    cm.switch_op_time("release") * self._noise(len(joining)), critical)
+        numel = cm.numel
+        old_shard = cm.shard_bytes(k)
+        stage_out_end = np.zeros(k)
+        if network:
+            block = np.arange(K)
+            nbytes = np.where(block < k, old_shard, 0)
+            self.op(it, t, roles, block, "reshard",
+                    cm.switch_op_time("reshard", nbytes=3 * 4 * numel, ranks=K, broadcasts=k) * self._noise(),
+                    critical, nbytes=nbytes, collective=True)
+        else:
+            staying = np.arange(min(k, k2))
+            dur = cm.switch_op_time("stage_out", nbytes=old_shard) * self._noise(len(staying))
+            stage_out_end[staying] = t[staying] + dur
+            background.append((staying, "stage_out", t[staying].copy(), t[staying] + dur, old_shard))
+            if k2 < k:                                 # leaving: spill now, its memory is the engine's
+                leaving = np.arange(k2, k)
+                self.op(it, t, roles, leaving, "stage_out",
+                        cm.switch_op_time("stage_out", nbytes=old_shard) * self._noise(len(leaving)),
+                        critical, nbytes=old_shard)
+                stage_out_end[leaving] = t[leaving]
+        self.op(it, t, roles, everyone, "group_switch", cm.switch_op_time("group_switch") * self._noise(W), critical)
+        if k2 < k:                                     # joining rollout: a new engine, its own weights
+            leaving = np.arange(k2, k)
+            self.op(it, t, roles, leaving, "engine_start",
+                    cm.switch_op_time("engine_start") * self._noise(len(leaving)), critical)
+            self.op(it, t, roles, leaving, "weight_load",
+                    cm.switch_op_time("weight_load", nbytes=cm.weight_bytes) * self._noise(len(leaving)),
+                    critical, nbytes=cm.weight_bytes)
+        if k2 > k:                                     # the new train set gets train rank 0's weights
+            new_train = np.arange(k2)
+            self.op(it, t, roles, new_train, "weight_load",
+                    cm.switch_op_time("weight_load", nbytes=cm.weight_bytes, ranks=k2) * self._noise(),
+                    critical, nbytes=cm.weight_bytes, collective=True)
+        if not network:                                # new owners read their ranges (background)
+            size_old, size_new = -(-numel // k), -(-numel // k2)
+            new_shard = cm.shard_bytes(k2)
+            read = cm.switch_op_time("stage_in", nbytes=new_shard) * self._noise(k2)
+            for r in range(k2):
+                lo, hi = min(r * size_new, numel), min((r + 1) * size_new, numel)
+                q_lo, q_hi = lo // size_old, max(hi - 1, lo) // size_old
+                ready = stage_out_end[q_lo:min(q_hi, k - 1) + 1].max() if hi > lo else t[r]
+                pending[r] = (float(t[r]), float(max(t[r], ready) + read[r]), new_shard)
+
+    # --- training (Job.train: trainer.train_step, colocated release/restore) -------------------
+    def train(self, it, t, roles, b, critical, pending) -> float:
+        cm, ev = self.cm, self.events
+        tr = self.train_ranks()
+        K = len(tr)
+        if self.colocated:
+            self.op(it, t, roles, tr, "release", cm.switch_op_time("release") * self._noise(K), critical)
+        tok, mb = self.train_work(b, K)
+        common = self._noise()
+        compute = cm.train_compute_time(tok, mb) * common
+        before, opt, after = (x * common for x in cm.train_sync_parts(K))
+        start = t[tr].copy()
+        reduced = float((start + compute).max() + before)          # gradients all-reduced
+        opt_start = np.full(K, reduced)
+        if pending:
+            for r, (s, e, nbytes) in pending.items():
+                split = min(max(reduced, s), e)
+                ev.add(it, np.array([r]), roles[[r]], "stage_in", s, split, schema.BACKGROUND, nbytes=nbytes)
+                if e > split:
+                    ev.add(it, np.array([r]), roles[[r]], "stage_in", split, e, schema.CRITICAL)
+                    critical[r] += e - split
+                opt_start[r] = max(reduced, e)
+            pending.clear()
+        end = float((opt_start + opt).max() + after)               # parameters all-gathered
+        ev.add(it, tr, roles[tr], "train", start, end, tokens=tok)
+        t[tr] = end
+        if self.colocated:
+            self.op(it, t, roles, tr, "engine_start",
+                    cm.switch_op_time("engine_start", colocated=True) * self._noise(K), critical)
+            self.op(it, t, roles, tr, "weight_load",
+                    cm.switch_op_time("weight_load", nbytes=cm.weight_bytes) * self._noise(K),
+                    critical, nbytes=cm.weight_bytes)
+        return float(end - start.min())
+
+
+def simulate(cfg, out_dir: str | os.PathLike | None = None, hardware=None, options=None) -> str:
+    """Simulate the job `cfg` and write its timeline; returns the timeline's path.
+
+    cfg: a SimSetup, a validated dynaresize.config.JobConfig, or a composed config (DictConfig or
+    dict, possibly with `hardware` and `sim` sections). hardware: a profile name, path, mapping or
+    HardwareProfile (default: the config's `hardware` section, else cpu_tiny). options: SimOptions.
+    out_dir: the run folder (default: cfg.run.output_dir, else the current directory).
+    """
+    from ..config import JobConfig
+    from ..costmodel import job_profile
+    from .config import SimOptions, prepare
+
+    if isinstance(cfg, SimSetup):
+        setup = cfg
+        if hardware is not None:
+            setup = SimSetup(setup.cfg, job_profile(setup.cfg, hardware), setup.options)
+        if options is not None:
+            setup = SimSetup(setup.cfg, setup.profile, options)
+    elif isinstance(cfg, JobConfig):
+        setup = SimSetup(cfg, job_profile(cfg, hardware), options or SimOptions())
+    else:
+        setup = prepare(cfg, hardware=hardware, options=options)
+    sim = Simulator(setup, out_dir)
+    return sim.run()
+
+
+def summary_line(path: str) -> str:
+    """One line about a simulated run, read back from its timeline (h5py only)."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        its = f["iterations"][...]
+        tokens = int(f["samples"]["response_len"].astype(np.int64).sum())
+        decisions = f["decisions"][...]
+        moves = int((decisions["action"] == b"move").sum())
+        wall = float(f.attrs.get("sim_wall_s", math.nan))
+        span = float(its["end"].max() - its["start"].min()) if len(its) else math.nan
+        return (f"{f.attrs['policy']}: {int(f.attrs['world_size'])} ranks, {len(its)} iterations, "
+                f"simulated {span:,.1f} s, {tokens / span if span > 0 else math.nan:,.0f} tok/s, "
+                f"{moves} resizes, wall {wall:.2f} s")
