@@ -109,12 +109,12 @@ def test_requeue_and_time_limit_warning_resume_exactly(tmp_path):
     assert diff <= 1e-5, f"max relative difference {diff}"
 
 
-@pytest.mark.parametrize("override,message", [
-    ("cluster.gpus_per_node=8", "cluster.gpus_per_node=8 but nodes of partition 'debug' have 4 GPUs"),
-    ("cluster.nodes=3", "cluster.nodes=3 but partition 'debug' has 1 nodes"),
+@pytest.mark.parametrize("overrides,message", [
+    (["cluster.gpus_per_node=8"], "cluster.gpus_per_node=8 but nodes of partition 'debug' have 4 GPUs"),
+    (["cluster.nodes=2", "cluster.gpus_per_node=2"], "cluster.nodes=2 but partition 'debug' has 1 nodes"),
 ])
-def test_job_that_cannot_fit_is_refused_before_submission(tmp_path, override, message):
+def test_job_that_cannot_fit_is_refused_before_submission(tmp_path, overrides, message):
     before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout
-    proc = run_cli(tmp_path, "cluster=slurm", override, check=False, timeout=60)
+    proc = run_cli(tmp_path, "cluster=slurm", *overrides, check=False, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and "Fix:" in proc.stderr, proc.stderr
     assert subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout == before
