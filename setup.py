@@ -35,6 +35,7 @@ setup(
         "console_scripts": [
             "dynaresize=dynaresize.cli:main",
             "dynaresize-analyze=analysis.cli:main",
+            "dynaresize-bench=dynaresize.bench:main",
         ],
     },
 )

@@ -79,6 +79,7 @@ class Job:
         self._new_samples: list[Sample] = []
         self._t_begin = 0.0
         self.writer = self._open_timeline(resume) if self.rank == 0 else None
+        ctrl.barrier()                    # iteration 0 starts together, after everyone's start-up
         if resume is not None and self.rank == 0:
             print(f"[dynaresize] resumed from {resume.path} (iteration {resume.iteration + 1} done, "
                   f"split {self.table.describe()})", flush=True)

@@ -62,11 +62,11 @@ class Plan:
             raise SwitchError(f"rank {job.rank}: switch operation {name!r} failed ({self.label}): "
                               f"{type(e).__name__}: {e}") from e
 
-    def background(self, name: str, fn, critical: bool = False) -> "BackgroundOp":
+    def background(self, name: str, fn, critical: bool = False) -> "BackgroundOp | Done":
+        """Run `fn() -> (result, bytes moved)` in the background; `.wait()` gives the result."""
         if critical:                      # baseline: run it now, on the critical path
             with self.op(name) as ev:
-                result = fn()
-                ev["bytes"] = getattr(result, "nbytes", 0)
+                result, ev["bytes"] = fn()
             return Done(result)
         self.job.set_status(f"switch operation {name!r} ({self.label}, background)")
         inject_fault(self.job.rank, name)
@@ -92,13 +92,13 @@ class BackgroundOp:
         self.clock = plan.job.ctrl.now
         self.start = self.clock()
         self.end = None
-        self._result, self._error, self._recorded = None, None, False
+        self._result, self._nbytes, self._error, self._recorded = None, 0, None, False
         self.thread = threading.Thread(target=self._run, name=f"dynaresize-{name}", daemon=True)
         self.thread.start()
 
     def _run(self):
         try:
-            self._result = self.fn()
+            self._result, self._nbytes = self.fn()
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread by wait()
             self._error = e
         finally:
@@ -118,7 +118,7 @@ class BackgroundOp:
     def _record(self, waited_from: float) -> None:
         job, plan = self.plan.job, self.plan
         role = plan.new.role_of(job.rank).value
-        nbytes = getattr(self._result, "nbytes", 0) or 0
+        nbytes = self._nbytes
         split = min(max(waited_from, self.start), self.end)
         base = {"iteration": plan.it, "rank": job.rank, "role": role, "name": self.name, "tokens": 0}
         job.rec.add({**base, "start": self.start, "end": split, "critical": BACKGROUND, "bytes": nbytes,
@@ -126,14 +126,6 @@ class BackgroundOp:
         if self.end > split:               # the main thread had to wait: that part was not hidden
             job.rec.add({**base, "start": split, "end": self.end, "critical": CRITICAL, "bytes": 0,
                          "attrs": {"waited": True}})
-
-
-class Staged(int):
-    """Bytes written by a stage-out (an int that the recorder reads as nbytes)."""
-
-    @property
-    def nbytes(self) -> int:
-        return int(self)
 
 
 def inject_fault(rank: int, op: str) -> None:
@@ -174,13 +166,13 @@ def switch(job, it: int, decision: Decision) -> None:
             path = shard_path(job.staging_dir, new.version, r)
 
             def stage_out(shard=shard, path=path):
-                return Staged(write_shard(path, shard, new.version, staging.buffer_mb, staging.fsync))
+                return None, write_shard(path, shard, new.version, staging.buffer_mb, staging.fsync)
 
             if will_train:
                 plan.background("stage_out", stage_out, critical=staging.critical)
             else:                                    # leaving: spill now, its memory is the engine's
                 with plan.op("stage_out") as ev:
-                    ev["bytes"] = int(stage_out())
+                    ev["bytes"] = stage_out()[1]
             job.staged_files.append(path)
     elif network and r < max(k, k2):
         with plan.op("reshard"):
@@ -211,30 +203,14 @@ def switch(job, it: int, decision: Decision) -> None:
         if network:
             pending = Done(new_shard)
         else:
-            pending = plan.background(
-                "stage_in", lambda: StagedIn(read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range)),
-                critical=staging.critical)
-        job.trainer.join(job.registry.get("train", k2), new.train_ranks(), r, pending=Unwrap(pending))
+            def stage_in(lo=lo, hi=hi):
+                return read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range), 3 * (hi - lo) * 4
+
+            pending = plan.background("stage_in", stage_in, critical=staging.critical)
+        job.trainer.join(job.registry.get("train", k2), new.train_ranks(), r, pending=pending)
 
     job.table = new
     job.set_status(f"running ({new.describe()})")
-
-
-class StagedIn:
-    """A staged-in shard, with its size for the timeline."""
-
-    def __init__(self, shard: ShardState):
-        self.shard = shard
-        self.nbytes = 3 * (shard.hi - shard.lo) * 4
-
-
-class Unwrap:
-    def __init__(self, op):
-        self.op = op
-
-    def wait(self) -> ShardState:
-        result = self.op.wait()
-        return result.shard if isinstance(result, StagedIn) else result
 
 
 def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: int) -> ShardState | None:
