@@ -66,7 +66,7 @@ def weight_sync(ctrl: ControlPlane, out_dir: str) -> dict:
     gathered = ctrl.gather(mine)
     if ctrl.rank == 0:
         trained = job.trainer.flat
-        initial = model_to_flat(load_model(job.checkpoint), job.layout)
+        initial = model_to_flat(load_model(job.model_dir), job.layout)
         assert not torch.equal(trained, initial), "training did not change the weights"
         for rank in (1, 2, 3):
             got = torch.from_numpy(gathered[rank])
@@ -91,7 +91,7 @@ def split_training(ctrl: ControlPlane, out_dir: str) -> dict:
     cfg = job.cfg.trainer
 
     def fresh(group, ranks) -> ShardedTrainer:
-        t = ShardedTrainer(load_model(job.checkpoint), cfg, job.cfg.rollout.temperature)
+        t = ShardedTrainer(load_model(job.model_dir), cfg, job.cfg.rollout.temperature)
         t.join(group, ranks, ctrl.rank)
         return t
 
@@ -107,7 +107,7 @@ def split_training(ctrl: ControlPlane, out_dir: str) -> dict:
     if ctrl.rank == 0:
         diff = max_rel_diff(two.flat, one.flat)
         assert diff <= 1e-5, f"1 vs 2 train ranks: max relative difference {diff}"
-        assert not torch.equal(one.flat, model_to_flat(load_model(job.checkpoint), one.layout))
+        assert not torch.equal(one.flat, model_to_flat(load_model(job.model_dir), one.layout))
         result["one_vs_two_max_rel_diff"] = diff
 
     # (b) one sharded AdamW step (2 ranks) vs torch.optim.AdamW on the whole model (1 rank).
@@ -115,7 +115,7 @@ def split_training(ctrl: ControlPlane, out_dir: str) -> dict:
     grad, _ = sharded.compute_gradient(batches[0])
     sharded.apply_gradient(grad)
     if ctrl.rank == 0:
-        model = load_model(job.checkpoint)
+        model = load_model(job.model_dir)
         params = [p for _, p in model.named_parameters()]
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                 weight_decay=cfg.weight_decay)
