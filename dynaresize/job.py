@@ -70,6 +70,7 @@ class Job:
             self.layout = FlatLayout.of(model_skeleton(self.model_dir))
             weights = checkpoint.load_flat_params(resume, self.layout.numel) if resume else None
             self.engine = self._start_engine(weights) if self.table.generates(self.rank) else None
+            self.parked_engine = None         # a released engine kept for the rank's return to rollout
             self.trainer = self._start_trainer(weights, resume) if self.table.trains(self.rank) else None
             ev["attrs"]["groups"] = self.registry.creations
 
@@ -242,9 +243,13 @@ class Job:
         """Stop without finishing: the timeline stays incomplete, to be continued on resume."""
         if self.writer is not None:
             self.writer.close(complete=False)
-        if self.engine is not None:
-            self.engine.close()
+        self._close_engines()
         dist.destroy_process_group()
+
+    def _close_engines(self) -> None:
+        for engine in (self.engine, self.parked_engine):
+            if engine is not None:
+                engine.close()
 
     def _remove_staged_files(self) -> None:
         for path in self.staged_files:
@@ -264,8 +269,7 @@ class Job:
                               groups_created_at_startup=self.registry.creations_at_startup,
                               groups_created_after_startup=self.registry.created_after_startup)
             print(f"[dynaresize] done: timeline {os.path.join(self.run_dir, 'timeline.h5')}", flush=True)
-        if self.engine is not None:
-            self.engine.close()
+        self._close_engines()
         if self.ctrl.local_rank == 0:
             remove_dir(self.staging_dir)
         dist.destroy_process_group()

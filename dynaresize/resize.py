@@ -151,9 +151,9 @@ def switch(job, it: int, decision: Decision) -> None:
             raise SwitchError(f"ranks disagree on the new table version: {versions}")
 
     if not was_train and will_train:                 # joining training: the engine's memory goes first
-        with plan.op("release"):
-            job.engine.release()
-            job.engine = None
+        with plan.op("release", mode=job.cfg.rollout.release):
+            job.engine.release()                     # parked: sleep mode keeps it for a cheap return
+            job.parked_engine, job.engine = job.engine, None
 
     new_shard = None
     if was_train:
@@ -183,8 +183,12 @@ def switch(job, it: int, decision: Decision) -> None:
         job.registry.release_unreused(k)
 
     if was_train and not will_train:                 # joining rollout: engine, then its own weights
-        with plan.op("engine_start"):
-            job.engine = job._start_engine()
+        with plan.op("engine_start", restored=job.parked_engine is not None):
+            if job.parked_engine is not None:
+                job.engine, job.parked_engine = job.parked_engine, None
+                job.engine.restore()
+            else:
+                job.engine = job._start_engine()
         with plan.op("weight_load") as ev:
             job.engine.load_weights(job.layout.views(job.trainer.flat))
             ev["bytes"] = numel * 4

