@@ -150,6 +150,9 @@ class JobConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    # Hardware profile for run.mode=emulate and the simulator (conf/hardware/, +hardware=h100);
+    # unset: the CPU profile fitted on this setting.
+    hardware: Optional[dict[str, Any]] = None
 
     @property
     def batch_size(self) -> int:
@@ -308,6 +311,12 @@ def validate(cfg: JobConfig) -> None:
     need(run.iterations >= 1, "run.iterations", f"is {run.iterations}", "use 1 or more")
     need(run.max_lag in (0, 1), "run.max_lag", f"is {run.max_lag}", "use 0 (synchronous) or 1 (one step off-policy)")
     need(run.mode in ("real", "emulate"), "run.mode", f"unknown mode {run.mode!r}", "use real or emulate")
+    if run.mode == "emulate":
+        from .costmodel import ProfileError, job_profile
+        try:
+            job_profile(cfg)
+        except (ProfileError, OSError, ValueError) as e:
+            errors.append(f"  hardware: {e}. Fix: choose a profile of conf/hardware/ (+hardware=h100).")
     need(run.checkpoint_every >= 0, "run.checkpoint_every", f"is {run.checkpoint_every}", "use 0 or more")
 
     if errors:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import torch
@@ -45,6 +46,10 @@ class Job:
         self.backend = ctrl.init_data_plane(cfg.cluster.device)
         self.device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
         self.rec = Recorder(self.rank, ctrl.now)
+        self.cost = None
+        if cfg.run.mode == "emulate":              # stages last what the profile's device would take
+            from .costmodel import CostModel, job_profile
+            self.cost = CostModel.for_job(cfg, job_profile(cfg))
         self.policy = make_policy(cfg.policy, self.world, cfg.run.max_lag)
         self.status_path = os.path.join(self.run_dir, ".ranks", f"rank-{self.rank:05d}")
         self.staging_dir = job_staging_dir(cfg.cluster.local_scratch, self.run_dir)
@@ -168,6 +173,9 @@ class Job:
         with self.rec.span(it, "rollout", self.role, batch=batch, groups=len(mine)) as ev:
             generations = self.engine.generate(requests, r.temperature)
             ev["tokens"] = sum(len(g.tokens) for group in generations for g in group)
+            if self.cost:
+                self._emulate(ev, self.cost.rollout_time([[len(g.tokens) for g in group] for group in generations],
+                                                         [len(req.prompt.tokens) for req in requests]))
         return [Sample(batch, req.first_index + j, req.prompt.index, self.rank, list(req.prompt.tokens),
                        g.tokens, g.logprobs, req.prompt.length_cap, reward(req.prompt, g.tokens))
                 for req, group in zip(requests, generations) for j, g in enumerate(group)]
@@ -190,6 +198,8 @@ class Job:
             info = self.trainer.train_step(batch)
             ev["tokens"] = info["tokens"]
             ev["attrs"].update(loss=round(info["loss"], 6), grad_norm=round(info["grad_norm"], 6))
+            if self.cost:
+                self._emulate(ev, self.cost.train_time(info["tokens"], self.table.num_train, info["micro_batches"]))
         if self.table.colocated_mode:
             from .resize import colocated_restore
             colocated_restore(self, it)
@@ -207,6 +217,16 @@ class Job:
             if self.engine is not None:
                 self.engine.load_weights(self.layout.views(flat))
             ev["bytes"] = flat.numel() * flat.element_size()
+            if self.cost:
+                self._emulate(ev, self.cost.weight_sync_time(ranks=1 + self.table.num_rollout))
+
+    def _emulate(self, event: dict, device_s: float) -> None:
+        """run.mode=emulate: stretch the stage to `device_s`, the time the profile's device would
+        take for this work (a stage that took longer stays longer); both times are recorded."""
+        real = self.ctrl.now() - event["start"]
+        if device_s > real:
+            time.sleep(device_s - real)
+        event["attrs"].update(real_s=round(real, 6), device_s=round(device_s, 6))
 
     def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision:
         """Gather events to rank 0, write the timeline, decide the next split, broadcast it."""

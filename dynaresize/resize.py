@@ -6,7 +6,7 @@ both prefixes of the ranks):
   rank joining training   release engine --------------------> weight_load (from train rank 0)
   rank leaving training   stage_out (spill shard) -> engine_start -> weight_load (own weights)
   old owners staying      stage_out .................(background, overlaps the next stage)
-  every rank              commit (all ranks acknowledge v') first; group_switch (registry lookup)
+  every rank              commit (all ranks acknowledge v'), then group_switch (registry lookup)
   new owners              stage_in of their new range .......(background until the optimizer step)
 
 Only what the next stage needs in order to start is critical. Optimizer state is needed at the
@@ -150,6 +150,9 @@ def switch(job, it: int, decision: Decision) -> None:
         if len(set(versions)) != 1:
             raise SwitchError(f"ranks disagree on the new table version: {versions}")
 
+    with plan.op("group_switch", reuse=job.registry.reuse):  # every rank, before any group is used
+        job.registry.ensure(k2)                      # a lookup; a collective creation only without reuse
+
     if not was_train and will_train:                 # joining training: the engine's memory goes first
         with plan.op("release", mode=job.cfg.rollout.release):
             job.engine.release()                     # parked: sleep mode keeps it for a cheap return
@@ -177,10 +180,6 @@ def switch(job, it: int, decision: Decision) -> None:
     elif network and r < max(k, k2):
         with plan.op("reshard"):
             new_shard = reshard_over_network(job, None, k, k2, numel)
-
-    with plan.op("group_switch", reuse=job.registry.reuse):
-        job.registry.ensure(k2)                      # a lookup; a collective creation only without reuse
-        job.registry.release_unreused(k)
 
     if was_train and not will_train:                 # joining rollout: engine, then its own weights
         with plan.op("engine_start", restored=job.parked_engine is not None):
@@ -213,6 +212,7 @@ def switch(job, it: int, decision: Decision) -> None:
             pending = plan.background("stage_in", stage_in, critical=staging.critical)
         job.trainer.join(job.registry.get("train", k2), new.train_ranks(), r, pending=pending)
 
+    job.registry.release_unreused(k)                 # without reuse, the old split's groups go
     job.table = new
     job.set_status(f"running ({new.describe()})")
 
