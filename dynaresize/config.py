@@ -82,6 +82,7 @@ class RolloutConfig:
     prompts_per_batch: int = 8
     samples_per_prompt: int = 4    # GRPO group size
     temperature: float = 1.0
+    ignore_eos: bool = False       # benchmarking: every response runs to its length cap
     # vLLM engine settings (rollout=vllm)
     gpu_memory_utilization: float = 0.5
     release: str = "sleep"         # on leaving rollout: sleep (CUDA sleep mode) | teardown | keep

@@ -73,7 +73,7 @@ def place_groups(length_caps: list[int], ranks: int) -> list[list[int]]:
 def make_engine(cfg: RolloutConfig, checkpoint: str, dtype: str, device: str, seed: int) -> RolloutEngine:
     if cfg.engine == "torch":
         from .torch_engine import TorchEngine
-        return TorchEngine(checkpoint, dtype=dtype, device=device)
+        return TorchEngine(checkpoint, dtype=dtype, device=device, ignore_eos=cfg.ignore_eos)
     if cfg.engine == "vllm":
         from .vllm_engine import VLLMEngine
         return VLLMEngine(cfg, checkpoint, dtype=dtype, device=device, seed=seed)

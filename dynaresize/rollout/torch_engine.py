@@ -21,8 +21,8 @@ from .base import Generation, GroupRequest
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, checkpoint: str, dtype: str = "float32", device: str = "cpu"):
-        self.checkpoint, self.dtype, self.device = checkpoint, dtype, device
+    def __init__(self, checkpoint: str, dtype: str = "float32", device: str = "cpu", ignore_eos: bool = False):
+        self.checkpoint, self.dtype, self.device, self.ignore_eos = checkpoint, dtype, device, ignore_eos
         self.model = None
         self.restore()
 
@@ -69,7 +69,7 @@ class TorchEngine:
                 if not done[row]:
                     tokens[row].append(token)
                     logprobs[row].append(logprob)
-                    done[row] = token == EOS_ID
+                    done[row] = token == EOS_ID and not self.ignore_eos
                 next_ids.append(PAD_ID if done[row] else token)
             if all(done):
                 break

@@ -185,7 +185,8 @@ class VLLMEngine:
                 prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt.tokens)))
                 params.append(SamplingParams(n=1, temperature=temperature, seed=seed,
                                              max_tokens=req.prompt.length_cap, logprobs=0,
-                                             stop_token_ids=[EOS_ID], detokenize=False))
+                                             stop_token_ids=[EOS_ID], detokenize=False,
+                                             ignore_eos=self.cfg.ignore_eos))
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         out, k = [], 0
         for req in requests:
