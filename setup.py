@@ -36,6 +36,8 @@ setup(
             "dynaresize=dynaresize.cli:main",
             "dynaresize-analyze=analysis.cli:main",
             "dynaresize-bench=dynaresize.bench:main",
+            "dynaresize-sim=dynaresize.sim.cli:main",
+            "dynaresize-calibrate=dynaresize.calibrate:main",
         ],
     },
 )

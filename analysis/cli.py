@@ -127,6 +127,13 @@ def _compare(args) -> int:
     if not math.isnan(r["dynamic_vs_oracle"]):
         print(f"dynamic/oracle throughput: {r['dynamic_vs_oracle']:.3f} "
               f"(oracle run {r['best_oracle']})")
+    if r["best_dynamic"] is not None and r["best_static"] is not None:
+        runs = df.set_index("run")
+        dyn, static = runs.loc[r["best_dynamic"]], runs.loc[r["best_static"]]
+        print(f"dynamic/best static total time: {dyn['total_time_s'] / static['total_time_s']:.3f}")
+        hidden = dyn["hidden_share"]
+        print("hidden share of switch work (dynamic run): "
+              + ("-" if hidden is None or math.isnan(hidden) else f"{hidden:.1%}"))
     out = args.out
     if out is None and len(args.paths) == 1 and Path(args.paths[0]).is_dir():
         out = Path(args.paths[0]) / "compare.csv"

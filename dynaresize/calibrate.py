@@ -24,8 +24,8 @@ is part of the base.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
+import json
 import math
 import os
 import sys
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costmodel import Coefficients, HardwareProfile, ModelSpec, load_profile
+from .costmodel import Coefficients, HardwareProfile, load_profile
 from .timeline import schema
 
 TIMELINE_FILE = "timeline.h5"
@@ -102,8 +102,10 @@ class StageFit:
         se = self.stderr.get(name, math.nan)
         value = self.values.get(name, 0.0)
         rel = f", +-{100 * se / abs(value):.1f} %" if value and not math.isnan(se) else ""
-        return (f"fit: {self.stage}, {self.rows} rows, relative RMS residual {100 * self.rel_rms:.1f} %{rel}"
-                if self.rows else f"not fitted: {self.note}")
+        if not self.rows:
+            return f"not fitted: {self.note}"
+        clamped = ", clamped at 0 (the free fit is negative)" if self.rows and value == 0 else ""
+        return f"fit: {self.stage}, {self.rows} rows, relative RMS residual {100 * self.rel_rms:.1f} %{rel}{clamped}"
 
 
 def nnls_relative(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -367,18 +369,27 @@ def staging_rows(runs, name: str):
     return _xy(X, y)
 
 
-def op_durations(runs, name: str, role: str | None = None, per_iteration_min: bool = False) -> list[float]:
+def op_durations(runs, name: str, role: str | None = None, per_iteration_min: bool = False,
+                 restored: bool | None = None) -> list[float]:
+    """Durations of critical `name` events (all events for startup); `restored`: only engine
+    starts that did (True) or did not (False) restore the rank's released engine - colocated
+    restores and parked engines (attrs "restored") under rollout.release=sleep."""
     vals = []
     for run in runs:
         ev = _named(run, name)
+        if restored is not None:
+            sleep = _cfg(run, "rollout", "release", "sleep") == "sleep"
+            mask = (ev["role"] == b"both") | np.array([b'"restored":true' in a for a in ev["attrs"]], dtype=bool)
+            ev = ev[mask & sleep] if restored else ev[~(mask & sleep)]
         if role is not None:
             ev = ev[ev["role"] == role.encode()]
         if per_iteration_min:
             for it in np.unique(ev["iteration"]):
                 vals.append(float(_dur(ev[ev["iteration"] == it]).min()))
+        elif name == "startup":
+            vals += [float(d) for d in _dur(ev)]
         else:
-            vals += [float(d) for d in _dur(ev[ev["critical"] == schema.CRITICAL])] if name != "startup" \
-                else [float(d) for d in _dur(ev)]
+            vals += [float(d) for d in _dur(ev[ev["critical"] == schema.CRITICAL])]
     return vals
 
 
@@ -445,8 +456,8 @@ def calibrate(paths, batching: str | None = None, base: HardwareProfile | None =
     apply("ops", fit_median("commit", "commit_s", commits))
     apply("ops", fit_median("group_switch", "group_switch_s", op_durations(runs, "group_switch")))
     apply("ops", fit_median("release", "release_s", op_durations(runs, "release")))
-    apply("ops", fit_median("engine_start", "engine_start_s", op_durations(runs, "engine_start", role="rollout")))
-    apply("ops", fit_median("engine_start (colocated)", "engine_wake_s", op_durations(runs, "engine_start", role="both")))
+    apply("ops", fit_median("engine_start", "engine_start_s", op_durations(runs, "engine_start", restored=False)))
+    apply("ops", fit_median("engine_start (restore)", "engine_wake_s", op_durations(runs, "engine_start", restored=True)))
     local = op_durations(runs, "weight_load", role="rollout") + op_durations(runs, "weight_load", role="both")
     apply("ops", fit_median("weight_load (local)", "weight_load_local_s", local))
     apply("run", fit_median("iteration end", "iteration_overhead_s", overhead_values(runs)))
@@ -494,7 +505,7 @@ def profile_yaml(cal: Calibration, name: str, description: str = "", command: st
            "# relative standard error. Values without a fit note were not fitted (see `fit.unfitted`).",
            f"name: {name}",
            "kind: fitted",
-           f"description: {description or 'fitted from real timelines'}",
+           f"description: {json.dumps(description or 'fitted from real timelines')}",
            f"batching: {cal.batching}              # fit: the runs' rollout engine",
            "gpus_per_node: 0                  # fit: every rank of the fitted runs ran on one host",
            "time_scale: 1.0                   # not a hardware figure: 1 = as fitted",
@@ -537,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     print(report(cal))
     if args.out:
         name = args.name or os.path.splitext(os.path.basename(args.out))[0]
-        command = " ".join(os.path.basename(os.path.normpath(x)) for x in args.paths) + f" --out {args.out}"
+        shown = os.path.relpath(args.out)
+        shown = shown if not shown.startswith("..") else os.path.basename(args.out)
+        command = " ".join(cal.runs) + f" --out {shown}"     # run folder names: no machine paths
         text = profile_yaml(cal, name, args.description, command)
         HardwareProfile.from_dict(__import__("yaml").safe_load(text))     # it must load back
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

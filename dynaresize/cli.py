@@ -20,6 +20,9 @@ from .config import ConfigError, JobConfig, load_config, to_yaml
 
 def prepare(raw: DictConfig, run_dir: str) -> JobConfig:
     cfg = load_config(raw)
+    if cfg.run.mode == "simulate":
+        raise ConfigError("invalid configuration:\n  run.mode: simulate is not a way to run ranks. "
+                          "Fix: use dynaresize-sim with the same overrides.")
     cfg.run.output_dir = os.path.abspath(run_dir)
     return cfg
 

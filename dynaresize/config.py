@@ -135,7 +135,7 @@ class RunConfig:
     iterations: int = 8
     max_lag: int = 1               # 0: synchronous; 1: rollout of batch i+1 overlaps training on i
     seed: int = 1234
-    mode: str = "real"             # real | emulate
+    mode: str = "real"             # real | emulate (| simulate, set by dynaresize-sim)
     output_dir: Optional[str] = None   # set by the launcher (the Hydra run directory)
     checkpoint_every: int = 0      # iterations between checkpoints; 0: only on Slurm's warning
     save_model: bool = True
@@ -277,8 +277,9 @@ def validate(cfg: JobConfig) -> None:
          f"unknown {t.grad_reduce_dtype!r}", "use float64 (split-invariant) or float32")
     need(0 < t.clip_ratio < 1, "trainer.clip_ratio", f"is {t.clip_ratio}", "use a value in (0, 1), e.g. 0.2")
 
-    need(p.name in ("static", "colocated", "dynamic", "scripted"), "policy.name", f"unknown policy {p.name!r}",
-         "use policy=static, colocated, dynamic or scripted")
+    need(p.name in ("static", "colocated", "dynamic", "scripted") or (p.name == "oracle" and run.mode == "simulate"),
+         "policy.name", f"unknown policy {p.name!r}",
+         "use policy=static, colocated, dynamic or scripted (policy.name=oracle only in dynaresize-sim)")
     need(p.resize_unit >= 1 and c.ranks % max(p.resize_unit, 1) == 0, "policy.resize_unit",
          f"{p.resize_unit} does not divide cluster.ranks={c.ranks}", "use a divisor of the rank count")
     if p.name != "colocated" and c.ranks >= 2:
@@ -311,13 +312,16 @@ def validate(cfg: JobConfig) -> None:
     need(s.buffer_mb >= 1, "staging.buffer_mb", f"is {s.buffer_mb}", "use 1 or more (1-8 MiB chunks are fastest)")
     need(run.iterations >= 1, "run.iterations", f"is {run.iterations}", "use 1 or more")
     need(run.max_lag in (0, 1), "run.max_lag", f"is {run.max_lag}", "use 0 (synchronous) or 1 (one step off-policy)")
-    need(run.mode in ("real", "emulate"), "run.mode", f"unknown mode {run.mode!r}", "use real or emulate")
-    if run.mode == "emulate":
-        from .costmodel import ProfileError, job_profile
+    need(run.mode in ("real", "emulate", "simulate"), "run.mode", f"unknown mode {run.mode!r}",
+         "use real or emulate (simulate is dynaresize-sim's)")
+    need(run.mode != "emulate" or cfg.hardware is not None, "hardware",
+         "run.mode=emulate needs the hardware to emulate", "add +hardware=h100 (or another conf/hardware/ profile)")
+    if cfg.hardware is not None:
+        from .costmodel import HardwareProfile, ProfileError
         try:
-            job_profile(cfg)
-        except (ProfileError, OSError, ValueError) as e:
-            errors.append(f"  hardware: {e}. Fix: choose a profile of conf/hardware/ (+hardware=h100).")
+            HardwareProfile.from_dict(cfg.hardware)
+        except (ProfileError, ValueError, TypeError) as e:
+            errors.append(f"  hardware: {e}. Fix: correct the profile (see conf/hardware/h100.yaml).")
     need(run.checkpoint_every >= 0, "run.checkpoint_every", f"is {run.checkpoint_every}", "use 0 or more")
 
     if errors:

@@ -21,8 +21,9 @@ train (one rank)     compute: per_micro_batch x micro-batches + per_token x toke
 weight_sync          base + latency x log2(ranks) + per_byte x bytes (broadcast) + load_per_byte x bytes
 exchange             base + latency x log2(world) + per_token x tokens of the batch (control plane)
 staging              base + bytes / disk bandwidth (write: stage_out, read: stage_in)
-switch operations    commit, group_switch, release, engine_start (cold), engine_wake (colocated
-                     restore), weight_load (local copy or broadcast), reshard (network transport)
+switch operations    commit, group_switch, release, engine_start (cold, or a wake-up of the rank's
+                     released engine: colocated, or parked while the rank trained), weight_load
+                     (local copy or broadcast), reshard (network transport)
 
 A hardware profile (conf/hardware/NAME.yaml) gives the coefficients either *analytically* from
 public hardware figures and a model size (GPU profiles: peak FLOP/s, HBM bandwidth, NVLink and
@@ -40,7 +41,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -175,7 +176,7 @@ class OpsCoef:
     group_switch_s: float = 0.0
     release_s: float = 0.0
     engine_start_s: float = 0.0          # a new engine on a rank leaving training (cold start)
-    engine_wake_s: float = 0.0           # colocated: restore the released engine
+    engine_wake_s: float = 0.0           # a released (sleeping) engine back: colocated, or a parked engine
     weight_load_local_s: float = 0.0     # copy the rank's own weights into its new engine ...
     weight_load_local_per_byte_s: float = 0.0   # ... plus this per byte
     drain_s: float = 0.0
@@ -574,23 +575,30 @@ class CostModel:
 
     # --- switch operations -------------------------------------------------------------------
     def switch_op_time(self, name: str, nbytes: int = 0, ranks: int = 1, broadcasts: int = 1,
-                       colocated: bool = False) -> float:
+                       restore: bool = False, release_mode: str = "sleep", colocated: bool | None = None) -> float:
         """One switch operation (schema.SWITCH_OPS) on one rank.
 
-        commit: all `ranks` acknowledge the new table; release: free the engine; engine_start: a
-        new engine (colocated=True: wake the released one); weight_load: `ranks`=1 copies the
-        rank's own weights into its engine, more broadcasts them from train rank 0; stage_out /
-        stage_in: write / read `nbytes`; reshard: see reshard_time; group_switch: a registry lookup.
+        commit: all `ranks` acknowledge the new table; release: free the engine's memory
+        (`release_mode` = rollout.release: sleep or teardown cost release_s, keep costs nothing);
+        engine_start: a new engine (cold start), or with restore=True the rank's released engine
+        back (sleep: a wake-up, engine_wake_s; teardown: a cold start; keep: nothing) - a rank
+        returning to rollout with a parked engine, or a colocated rank after training
+        (colocated=True is restore=True); weight_load: `ranks`=1 copies the rank's own weights into
+        its engine, more broadcasts them from train rank 0; stage_out / stage_in: write / read
+        `nbytes`; reshard: see reshard_time; group_switch: a registry lookup.
         """
         o = self.coef.ops
+        restore = restore or bool(colocated)
         if name == "commit":
             return (o.commit_s + self.coef.sync.latency_s * _log2_steps(ranks)) * self.scale
         if name == "group_switch":
             return o.group_switch_s * self.scale
         if name == "release":
-            return o.release_s * self.scale
+            return (0.0 if release_mode == "keep" else o.release_s) * self.scale
         if name == "engine_start":
-            return (o.engine_wake_s if colocated else o.engine_start_s) * self.scale
+            if restore and release_mode == "keep":
+                return 0.0
+            return (o.engine_wake_s if restore and release_mode == "sleep" else o.engine_start_s) * self.scale
         if name == "weight_load":
             if ranks <= 1:
                 return (o.weight_load_local_s + o.weight_load_local_per_byte_s * nbytes) * self.scale

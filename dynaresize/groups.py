@@ -15,13 +15,11 @@ import torch.distributed as dist
 
 
 class GroupRegistry:
-    def __init__(self, world: int, resize_unit: int, reuse: bool = True, colocated: bool = False):
+    def __init__(self, world: int, resize_unit: int, reuse: bool = True):
         self.world, self.unit, self.reuse = world, resize_unit, reuse
         self._groups: dict[tuple[str, int], object] = {}
         self.creations = 0
-        self.splits = list(range(resize_unit, world, resize_unit))
-        if colocated:
-            self.splits.append(world)
+        self.splits = list(range(resize_unit, world, resize_unit))   # colocated (k = world) uses WORLD
         if reuse:
             for k in self.splits:
                 self._create_split(k)

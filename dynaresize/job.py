@@ -62,8 +62,7 @@ class Job:
         resume = ctrl.bcast(checkpoint.find_resume(self.run_dir) if self.rank == 0 else None)
 
         with self.rec.span(-1, "startup", "none") as ev:
-            self.registry = GroupRegistry(self.world, cfg.policy.resize_unit, cfg.staging.reuse_groups,
-                                          colocated=colocated)
+            self.registry = GroupRegistry(self.world, cfg.policy.resize_unit, cfg.staging.reuse_groups)
             self.model_dir = self._shared_model_dir()
             if resume is not None:
                 self.table = resume.table

@@ -61,9 +61,9 @@ def test_scripted_resizes_preserve_tokens_and_weights(default_run, tmp_path):
     assert os.listdir(scratch) == [], "staging directory left behind"
 
 
-def test_lag0_resizes_without_reuse_over_network_transport(tmp_path):
+def test_lag0_resizes_without_reuse_over_network_transport_and_colocated(tmp_path):
     common = ["run.max_lag=0", "run.iterations=8"]
-    static, scripted = tmp_path / "static", tmp_path / "scripted"
+    static, scripted, colocated = tmp_path / "static", tmp_path / "scripted", tmp_path / "colocated"
     run_cli(static, *common)
     run_cli(scripted, *common, "policy=scripted", "policy.schedule=[1,3,2,3,1,2,1,3]",
             "staging.reuse_groups=false", "staging.transport=network")
@@ -71,6 +71,14 @@ def test_lag0_resizes_without_reuse_over_network_transport(tmp_path):
     events, attrs = timeline(scripted)
     assert int(attrs["groups_created_after_startup"]) > 0      # without reuse, every switch creates groups
     assert b"reshard" in set(events["events"]["name"])
+    # Colocated: every rank generates, then every rank trains: the same RL, a switch every iteration.
+    run_cli(colocated, *common, "policy=colocated")
+    assert_same_rl(colocated, static)
+    events = timeline(colocated)[0]["events"]
+    for op in (b"release", b"engine_start", b"weight_load"):
+        per_it = events[(events["name"] == op)]
+        assert set(per_it["iteration"]) == set(range(8)) and set(per_it["rank"]) == {0, 1, 2, 3}, op
+        assert (per_it["critical"] == 1).all()
 
 
 def test_dynamic_policy_moves_and_records_its_reasons(tmp_path):

@@ -10,8 +10,8 @@ overrides) with two more top-level keys:
 To compose them, the schema registered by dynaresize.cli (`dynaresize_schema`, the JobConfig
 dataclass) is replaced in the simulator's process by `SimJobConfig`, the same dataclass with the
 two keys added. `prepare` then takes them out and validates the rest with
-dynaresize.config.load_config, exactly as the runtime does (policy `oracle` excepted: the
-runtime's validation does not know it; the simulator checks it itself).
+dynaresize.config.load_config, exactly as the runtime does, in run.mode=simulate (which admits the
+simulator-only policy `oracle`).
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 from ..config import ConfigError, JobConfig, load_config, to_yaml
 from ..costmodel import HardwareProfile, ProfileError, job_profile
 
-SIM_ONLY_POLICIES = ("oracle",)
 
 
 @dataclass
@@ -45,11 +44,11 @@ class SimJobConfig(JobConfig):
     sim: SimOptions = field(default_factory=SimOptions)
 
 
-def register_schema() -> None:
-    """Make `dynaresize_schema` (the base of conf/config.yaml) the simulator's schema."""
+def register_schema(schema: type = None) -> None:
+    """Make `dynaresize_schema` (the base of conf/config.yaml) the simulator's schema (or `schema`)."""
     import dynaresize.cli  # noqa: F401  (registers the runtime schema and CONF_DIR first)
     from hydra.core.config_store import ConfigStore
-    ConfigStore.instance().store(name="dynaresize_schema", node=SimJobConfig)
+    ConfigStore.instance().store(name="dynaresize_schema", node=schema or SimJobConfig)
 
 
 @dataclass
@@ -112,11 +111,8 @@ def prepare(raw: DictConfig | dict, hardware: Any = None, options: SimOptions | 
         policy["train_ranks"] = opts.train_units * int(policy.get("resize_unit", 1))
     if opts.prompts_per_rank:
         data.setdefault("rollout", {})["prompts_per_batch"] = opts.prompts_per_rank * world
-    name = policy.get("name", "static")
-    if name in SIM_ONLY_POLICIES:            # the runtime's validation does not know it
-        policy["name"] = "static"
+    data.setdefault("run", {})["mode"] = "simulate"     # admits the simulator-only policy (oracle)
     cfg = load_config(data)
-    cfg.policy.name = name
     try:
         profile = job_profile(cfg, hardware if hardware is not None else hw)
     except ProfileError as e:
@@ -133,8 +129,11 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     register_schema()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return hydra_compose("config", overrides=list(overrides))
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return hydra_compose("config", overrides=list(overrides))
+    finally:
+        register_schema(JobConfig)        # leave the runtime's schema for anyone composing after us
 
 
 def setup_from_overrides(overrides: list[str] | tuple[str, ...] = ()) -> SimSetup:

@@ -21,6 +21,7 @@ config (noise included, seeded by run.seed).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -52,20 +53,27 @@ class EventBuffer:
         self.parts: list[tuple] = []
         self.rows = 0
 
-    def add(self, iteration, ranks, roles, name, start, end, critical=schema.NOT_A_SWITCH, tokens=0, nbytes=0):
+    def add(self, iteration, ranks, roles, name, start, end, critical=schema.NOT_A_SWITCH, tokens=0, nbytes=0,
+            attrs=None):
+        """Events of `name` on `ranks` (arrays or scalars broadcast; `attrs`: one dict or a list
+        of dicts, one per rank, JSON-encoded as the runtime's recorder does)."""
         ranks = np.asarray(ranks, dtype=np.int64)
         n = len(ranks)
         if n == 0:
             return
+        if attrs is not None:
+            attrs = ([schema.encode_attrs(a) for a in attrs] if isinstance(attrs, list)
+                     else schema.encode_attrs(attrs))
+            attrs = np.broadcast_to(np.asarray(attrs, dtype=f"S{schema.ATTRS_BYTES}"), n)
         self.parts.append((iteration, ranks, roles, NAME_CODES[name], np.broadcast_to(start, n),
                            np.broadcast_to(end, n), critical, np.broadcast_to(tokens, n),
-                           np.broadcast_to(nbytes, n)))
+                           np.broadcast_to(nbytes, n), attrs))
         self.rows += n
 
     def take(self) -> np.ndarray:
         out = np.zeros(self.rows, dtype=schema.EVENT_DTYPE)
         pos = 0
-        for it, ranks, roles, name, start, end, critical, tokens, nbytes in self.parts:
+        for it, ranks, roles, name, start, end, critical, tokens, nbytes, attrs in self.parts:
             sl = slice(pos, pos + len(ranks))
             out["iteration"][sl] = it
             out["rank"][sl] = ranks
@@ -76,6 +84,8 @@ class EventBuffer:
             out["critical"][sl] = critical
             out["tokens"][sl] = tokens
             out["bytes"][sl] = nbytes
+            if attrs is not None:
+                out["attrs"][sl] = attrs
             pos += len(ranks)
         self.parts, self.rows = [], 0
         return out
@@ -83,8 +93,10 @@ class EventBuffer:
 
 class Simulator:
     def __init__(self, setup: SimSetup, out_dir: str | os.PathLike | None = None):
-        self.setup = setup
-        cfg = self.cfg = setup.cfg
+        cfg = copy.deepcopy(setup.cfg)           # never change the caller's config
+        cfg.run.mode = "simulate"
+        self.setup = setup = SimSetup(cfg, setup.profile, setup.options)
+        self.cfg = cfg
         self.options = setup.options
         self.cm = CostModel.for_job(cfg, setup.profile)
         self.W = cfg.cluster.ranks
@@ -111,7 +123,12 @@ class Simulator:
         else:
             self.policy = make_policy(cfg.policy, self.W, self.lag)
         self.k = self.W if self.colocated else self.policy.initial_train_ranks()
+        if name == "oracle":                 # the config records the split the run started with
+            cfg.policy.train_ranks = self.k
         self.version = 0
+        # a rank that left rollout keeps its released engine (resize.switch: parked) for its return
+        self.parked = np.zeros(self.W, dtype=bool)
+        self.release_mode = cfg.rollout.release
         self.events = EventBuffer()
         self.rows: dict[str, list] = {"iterations": [], "decisions": [], "samples": []}
 
@@ -123,7 +140,7 @@ class Simulator:
             caps = batch_caps(w, self.seed, b, self.prompts)
             plens = (exact_prompt_lens if self.exact_prompts else sampled_prompt_lens)(w, self.seed, b, self.prompts)
             self._batches[b] = (caps, plens)
-            for old in [x for x in self._batches if x < b - 2 and x not in (b,)]:
+            for old in [x for x in self._batches if x < b - 2]:
                 del self._batches[old]
         return self._batches[b]
 
@@ -194,6 +211,7 @@ class Simulator:
         os.makedirs(self.out_dir, exist_ok=True)
         path = os.path.join(self.out_dir, "timeline.h5")
         if os.path.exists(path):
+            refuse_to_overwrite(path)
             os.remove(path)
         cm = self.cm
         meta = {"mode": "simulate", "world_size": self.W, "mpi_world_size": 0, "backend": "none",
@@ -210,7 +228,8 @@ class Simulator:
             last = self.iterations + self.lag
             for it in range(last):
                 decision = self.iteration(it, decision)
-                if (it + 1) % self.options.flush_every == 0 or it == last - 1:
+                buffered = self.events.rows + sum(len(x) for x in self.rows["samples"])
+                if (it + 1) % self.options.flush_every == 0 or it == last - 1 or buffered > 2_000_000:
                     self.flush(writer)
             wall = time.perf_counter() - wall0
             writer.close(complete=True, end_time=self.clock, sim_wall_s=wall,
@@ -320,11 +339,11 @@ class Simulator:
         self.events.add(it, np.arange(self.W), roles, "exchange", t.copy(), end)
         t[:] = end
 
-    def op(self, it, t, roles, ranks, name, dur, critical, nbytes=0, collective=False) -> None:
+    def op(self, it, t, roles, ranks, name, dur, critical, nbytes=0, collective=False, attrs=None) -> None:
         """A critical switch op on `ranks`: each starts at its clock; a collective ends together."""
         start = t[ranks].copy()
         end = (start.max() + dur) if collective else start + dur
-        self.events.add(it, ranks, roles[ranks], name, start, end, schema.CRITICAL, nbytes=nbytes)
+        self.events.add(it, ranks, roles[ranks], name, start, end, schema.CRITICAL, nbytes=nbytes, attrs=attrs)
         critical[ranks] += end - start
         t[ranks] = end
 
@@ -350,10 +369,12 @@ class Simulator:
         everyone = np.arange(W)
         self.op(it, t, roles, everyone, "commit", cm.switch_op_time("commit", ranks=W) * self._noise(),
                 critical, collective=True)
-        if k2 > k:                                     # joining training: the engine goes first
+        if k2 > k:                                     # joining training: the engine goes first (parked)
             joining = np.arange(k, k2)
             self.op(it, t, roles, joining, "release",
-                    cm.switch_op_time("release") * self._noise(len(joining)), critical)
+                    cm.switch_op_time("release", release_mode=self.release_mode) * self._noise(len(joining)),
+                    critical, attrs={"mode": self.release_mode})
+            self.parked[joining] = True
         numel = cm.numel
         old_shard = cm.shard_bytes(k)
         stage_out_end = np.zeros(k)
@@ -375,10 +396,14 @@ class Simulator:
                         critical, nbytes=old_shard)
                 stage_out_end[leaving] = t[leaving]
         self.op(it, t, roles, everyone, "group_switch", cm.switch_op_time("group_switch") * self._noise(W), critical)
-        if k2 < k:                                     # joining rollout: a new engine, its own weights
+        if k2 < k:                                     # joining rollout: its parked engine or a new one
             leaving = np.arange(k2, k)
-            self.op(it, t, roles, leaving, "engine_start",
-                    cm.switch_op_time("engine_start") * self._noise(len(leaving)), critical)
+            restored = self.parked[leaving]
+            cost = np.where(restored, cm.switch_op_time("engine_start", restore=True, release_mode=self.release_mode),
+                            cm.switch_op_time("engine_start"))
+            self.op(it, t, roles, leaving, "engine_start", cost * self._noise(len(leaving)), critical,
+                    attrs=[{"restored": bool(x)} for x in restored])
+            self.parked[leaving] = False
             self.op(it, t, roles, leaving, "weight_load",
                     cm.switch_op_time("weight_load", nbytes=cm.weight_bytes) * self._noise(len(leaving)),
                     critical, nbytes=cm.weight_bytes)
@@ -403,7 +428,8 @@ class Simulator:
         tr = self.train_ranks()
         K = len(tr)
         if self.colocated:
-            self.op(it, t, roles, tr, "release", cm.switch_op_time("release") * self._noise(K), critical)
+            self.op(it, t, roles, tr, "release",
+                    cm.switch_op_time("release", release_mode=self.release_mode) * self._noise(K), critical)
         tok, mb = self.train_work(b, K)
         common = self._noise()
         compute = cm.train_compute_time(tok, mb) * common
@@ -425,11 +451,26 @@ class Simulator:
         t[tr] = end
         if self.colocated:
             self.op(it, t, roles, tr, "engine_start",
-                    cm.switch_op_time("engine_start", colocated=True) * self._noise(K), critical)
+                    cm.switch_op_time("engine_start", restore=True, release_mode=self.release_mode) * self._noise(K),
+                    critical)
             self.op(it, t, roles, tr, "weight_load",
                     cm.switch_op_time("weight_load", nbytes=cm.weight_bytes) * self._noise(K),
                     critical, nbytes=cm.weight_bytes)
         return float(end - start.min())
+
+
+def refuse_to_overwrite(path: str) -> None:
+    """A simulation replaces only a simulated timeline, never a real or emulated run's."""
+    import h5py
+    try:
+        with h5py.File(path, "r", swmr=True) as f:
+            mode = f.attrs.get("mode", "")
+    except OSError:
+        return                                   # not a readable HDF5 file: nothing to protect
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    if mode and mode != "simulate":
+        raise FileExistsError(f"{path} is the timeline of a {mode} run; the simulator will not overwrite "
+                              f"it. Give another output folder (out_dir / hydra.run.dir).")
 
 
 def simulate(cfg, out_dir: str | os.PathLike | None = None, hardware=None, options=None) -> str:

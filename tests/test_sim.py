@@ -1,0 +1,270 @@
+"""The simulator: the runtime's workload, placement, pipeline, switch plan and policies, priced by the
+cost model, written as a timeline that the analysis reads unchanged."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from dynaresize.config import ConfigError, WorkloadConfig
+from dynaresize.costmodel import CostModel
+from dynaresize.sim import Simulator, compose, prepare, setup_from_overrides, simulate
+from dynaresize.sim.workload import batch_caps, exact_prompt_lens, place, placement_lists
+from dynaresize.timeline import schema
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(tmp_path, name="run", *overrides, **kw):
+    return simulate(setup_from_overrides(list(overrides)), tmp_path / name, **kw)
+
+
+def read(path):
+    with h5py.File(path, "r") as f:
+        return dict(f.attrs), {n: f[n][...] for n in schema.DATASETS}
+
+
+def events(data, name=None, it=None):
+    ev = data["events"]
+    if name is not None:
+        ev = ev[ev["name"] == name.encode()]
+    if it is not None:
+        ev = ev[ev["iteration"] == it]
+    return ev
+
+
+# --- the runtime's workload and placement, fast ------------------------------------------------
+
+def test_caps_and_prompts_are_make_batchs():
+    from dynaresize.workload import make_batch
+    for w in (WorkloadConfig(), WorkloadConfig(task="add", length_sigma=1.3, length_growth=0.2)):
+        for b in (0, 3, 17):
+            prompts = make_batch(w, 99, b, 37)
+            assert batch_caps(w, 99, b, 37).tolist() == [p.length_cap for p in prompts]
+            assert exact_prompt_lens(w, 99, b, 37).tolist() == [len(p.tokens) for p in prompts]
+
+
+def test_placement_is_place_groups():
+    from dynaresize.rollout.base import place_groups
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        n, ranks = int(rng.integers(0, 70)), int(rng.integers(1, 24))
+        caps = rng.integers(0 if trial % 4 == 0 else 1, 40, n)
+        assert placement_lists(place(caps, ranks), ranks) == place_groups(caps.tolist(), ranks)
+
+
+# --- the timeline -------------------------------------------------------------------------------
+
+def test_default_config_simulates_and_passes_through_analysis(tmp_path):
+    import analysis
+    path = run(tmp_path)
+    tl = analysis.load_timeline(path)
+    m = analysis.run_metrics(tl)
+    files = analysis.write_report(tl, png=True, trace=True)
+    assert {"summary.csv", "summary.json", "gantt.png", "trace.json"} <= set(files)
+    attrs, data = read(path)
+    assert attrs["mode"] == "simulate" and attrs["complete"] and attrs["world_size"] == 4
+    assert attrs["mpi_world_size"] == 0 and attrs["policy"] == "static" and attrs["max_lag"] == 1
+    config = yaml.safe_load(attrs["config"])
+    assert config["policy"]["name"] == "static" and config["cluster"]["ranks"] == 4
+    assert config["hardware"]["name"] == "cpu_tiny" and "sim" in config
+    # every rank has events in every iteration; the pipeline of loop.py with max_lag 1
+    its = data["iterations"]
+    assert its["iteration"].tolist() == list(range(9)) and m["iterations"] == 9
+    for it in range(9):
+        assert set(events(data, it=it)["rank"]) == {0, 1, 2, 3}
+    assert its["trained_batch"].tolist() == [-1] + list(range(8))
+    assert its["generated_batch"].tolist() == list(range(8)) + [-1]
+    assert len(events(data, "train", 0)) == 0 and len(events(data, "rollout", 8)) == 0
+    assert len(data["decisions"]) == 9 and m["tokens"] > 0
+    s = data["samples"]
+    assert (s["response_len"] == s["length_cap"]).all() and (s["reward"] == 0).all() and (s["digest"] == 0).all()
+    assert len(s) == 8 * 8 * 4
+    # starts and ends are ordered, every event lies inside its iteration
+    ev = events(data)
+    ev = ev[ev["iteration"] >= 0]
+    assert (ev["end"] >= ev["start"]).all()
+    spans = {int(r["iteration"]): (r["start"], r["end"]) for r in its}
+    assert all(spans[int(e["iteration"])][0] - 1e-9 <= e["start"] and e["end"] <= spans[int(e["iteration"])][1] + 1e-9
+               for e in ev)
+
+
+def test_deterministic(tmp_path):
+    a = read(run(tmp_path, "a", "policy=dynamic", "run.iterations=20", "sim.noise=0.05"))[1]
+    b = read(run(tmp_path, "b", "policy=dynamic", "run.iterations=20", "sim.noise=0.05"))[1]
+    for name in schema.DATASETS:
+        assert a[name].tobytes() == b[name].tobytes(), name
+    c = read(run(tmp_path, "c", "policy=dynamic", "run.iterations=20", "sim.noise=0.05", "run.seed=7"))[1]
+    assert not np.array_equal(a["events"]["end"], c["events"]["end"])
+
+
+def test_synchronous_pipeline(tmp_path):
+    attrs, data = read(run(tmp_path, "lag0", "run.max_lag=0", "run.iterations=5"))
+    its = data["iterations"]
+    assert (its["trained_batch"] == its["generated_batch"]).all() and len(its) == 5
+    for it in range(5):       # training starts after the exchange, which follows the last rollout
+        rollout_end = events(data, "rollout", it)["end"].max()
+        assert events(data, "train", it)["start"].min() >= rollout_end
+
+
+def test_stage_times_are_the_cost_models(tmp_path):
+    """The simulator prices a rank's rollout with CostModel.rollout_time, the API the emulation uses."""
+    setup = setup_from_overrides(["run.iterations=4", "rollout.prompts_per_batch=12"])
+    attrs, data = read(simulate(setup, tmp_path / "run"))
+    cm = CostModel.for_job(setup.cfg, setup.profile)
+    s = data["samples"]
+    for e in events(data, "rollout"):
+        mine = s[(s["iteration"] == e["iteration"]) & (s["rank"] == e["rank"])]
+        groups = [mine[mine["prompt"] == p]["response_len"].tolist() for p in np.unique(mine["prompt"])]
+        plens = [int(mine[mine["prompt"] == p]["prompt_len"][0]) for p in np.unique(mine["prompt"])]
+        assert e["end"] - e["start"] == pytest.approx(cm.rollout_time(groups, plens), rel=1e-9)
+        assert e["tokens"] == mine["response_len"].sum()
+    for e in events(data, "train"):       # 12 micro-batches on 2 train ranks; all end with the slowest
+        assert e["end"] - e["start"] >= cm.train_time(int(e["tokens"]), 2, micro_batches=6) - 1e-9
+
+
+def test_switch_plan_critical_and_background(tmp_path):
+    """A scripted 2 -> 1 -> 3 run: the operations of resize.switch on the ranks it names."""
+    attrs, data = read(run(tmp_path, "s", "policy=scripted", "policy.schedule=[2,1,3,3]", "run.iterations=4"))
+    crit = lambda e: set(e["rank"][e["critical"] == schema.CRITICAL].tolist())         # noqa: E731
+    bg = lambda e: set(e["rank"][e["critical"] == schema.BACKGROUND].tolist())         # noqa: E731
+    # iteration 1: 2 -> 1 train ranks; rank 1 leaves training
+    assert crit(events(data, "commit", 1)) == {0, 1, 2, 3}
+    assert crit(events(data, "stage_out", 1)) == {1} and 0 in bg(events(data, "stage_out", 1))
+    assert crit(events(data, "engine_start", 1)) == {1} and crit(events(data, "weight_load", 1)) == {1}
+    assert 0 in bg(events(data, "stage_in", 1)) and len(events(data, "release", 1)) == 0
+    assert set(events(data, "rollout", 1)["rank"]) == {1, 2, 3}
+    # iteration 2: 1 -> 3; ranks 1 and 2 join training
+    assert crit(events(data, "release", 2)) == {1, 2}
+    assert crit(events(data, "weight_load", 2)) == {0, 1, 2}
+    assert bg(events(data, "stage_in", 2)) == {0, 1, 2} and bg(events(data, "stage_out", 2)) == {0}
+    assert set(events(data, "train", 2)["rank"]) == {0, 1, 2}
+    roles = {int(e["rank"]): e["role"].decode() for e in events(data, "commit", 2)}
+    assert roles == {0: "train", 1: "train", 2: "train", 3: "rollout"}     # the new table's roles
+    d = data["decisions"]
+    assert d["action"].tolist()[:3] == [b"move", b"move", b"keep"] and d["table_version"].tolist()[:2] == [1, 2]
+    assert schema.decode_attrs(events(data, "engine_start", 1)["attrs"][0]) == {"restored": False}
+    assert schema.decode_attrs(events(data, "release", 2)["attrs"][0]) == {"mode": "sleep"}
+    # a rank back in rollout wakes the engine it parked when it joined training (resize.switch)
+    attrs, back = read(run(tmp_path, "p", "policy=scripted", "policy.schedule=[3,1,3,1]", "run.iterations=4",
+                           "+hardware=h100", "rollout.prompts_per_batch=8"))
+    cold, warm = events(back, "engine_start", 1), events(back, "engine_start", 3)
+    assert [schema.decode_attrs(a)["restored"] for a in cold["attrs"]] == [False, False]
+    assert [schema.decode_attrs(a)["restored"] for a in warm["attrs"]] == [True, True]
+    assert (cold["end"] - cold["start"]).min() == pytest.approx(60.0)            # h100: engine_start_s
+    assert (warm["end"] - warm["start"]).max() == pytest.approx(1.0)             # h100: engine_wake_s
+    # across nodes the state moves over the network: a critical reshard instead of staging
+    attrs, net = read(run(tmp_path, "n", "policy=scripted", "policy.schedule=[2,1,3,3]", "run.iterations=4",
+                          "staging.transport=network"))
+    assert crit(events(net, "reshard", 1)) == {0, 1} and crit(events(net, "reshard", 2)) == {0, 1, 2}
+    assert len(events(net, "stage_out")) == 0
+
+
+def test_colocated_switches_engine_memory_every_iteration(tmp_path):
+    import analysis
+    path = run(tmp_path, "c", "policy=colocated", "run.max_lag=0", "run.iterations=3")
+    attrs, data = read(path)
+    for it in range(3):
+        for op in ("release", "engine_start", "weight_load"):
+            e = events(data, op, it)
+            assert set(e["rank"]) == {0, 1, 2, 3} and (e["critical"] == schema.CRITICAL).all()
+    assert len(events(data, "weight_sync")) == 0
+    assert set(events(data)["role"][events(data)["iteration"] >= 0]) == {b"both"}
+    assert analysis.run_metrics(analysis.load_timeline(path))["kind"] == "colocated"
+
+
+def test_dynamic_policy_decides_on_simulated_stage_times(tmp_path):
+    # Rollout-heavy: long responses, and a small switch-cost prior: the policy moves toward rollout.
+    attrs, data = read(run(tmp_path, "d", "policy=dynamic", "run.iterations=30", "cluster.ranks=8",
+                           "policy.train_ranks=6", "policy.switch_cost_s=0.01", "workload.length_median=60",
+                           "rollout.prompts_per_batch=16"))
+    d = data["decisions"]
+    moves = d[d["action"] == b"move"]
+    assert len(moves) >= 1 and (moves["to_train"] < moves["from_train"]).all()
+    assert any(r.startswith(b"patience") for r in d["reason"])
+    its = data["iterations"]
+    assert its["train_ranks"][-1] < 6
+
+
+def test_oracle_bounds_every_static_split(tmp_path):
+    import analysis
+    common = ["cluster.ranks=6", "run.iterations=12", "rollout.prompts_per_batch=12", "workload.length_growth=0.2"]
+    times = {}
+    for k in range(1, 6):
+        path = run(tmp_path, f"static{k}", *common, f"policy.train_ranks={k}")
+        times[k] = analysis.run_metrics(analysis.load_timeline(path))["total_time_s"]
+    path = run(tmp_path, "oracle", *common, "policy.name=oracle")
+    m = analysis.run_metrics(analysis.load_timeline(path))
+    assert m["kind"] == "oracle" and m["resizes"] >= 1
+    assert m["total_time_s"] <= min(times.values()) + 1e-9
+    attrs, data = read(path)
+    assert len(events(data, "commit")) == 0                 # free switching: no switch op
+    assert yaml.safe_load(attrs["config"])["policy"]["train_ranks"] == data["iterations"]["train_ranks"][0]
+
+
+def test_jobconfig_api_and_config_errors(tmp_path):
+    from dynaresize.config import load_config
+    cfg = load_config({"cluster": {"ranks": 16}, "policy": {"train_ranks": 8},
+                       "rollout": {"prompts_per_batch": 64}, "run": {"iterations": 3}})
+    path = simulate(cfg, tmp_path / "api", hardware="h100")
+    attrs, data = read(path)
+    assert attrs["hardware"] == "h100" and attrs["parameters"] == 7_615_616_512
+    assert data["iterations"]["end"][-1] > 3 * 1.0                      # a 7B model on H100s: seconds
+    from dynaresize.timeline.writer import TimelineWriter
+    (tmp_path / "real").mkdir()
+    TimelineWriter(tmp_path / "real" / "timeline.h5", {"mode": "real"}).close(complete=True)
+    with pytest.raises(FileExistsError, match="real run"):
+        simulate(cfg, tmp_path / "real")
+    with pytest.raises(ConfigError, match="sim.units"):
+        prepare(compose(["cluster.ranks=16", "sim.units=5"]))
+    with pytest.raises(ConfigError, match="hardware"):
+        setup_from_overrides(["+hardware=h100", "hardware.peak_flops=0"])
+    with pytest.raises(ConfigError, match="policy.name"):
+        setup_from_overrides(["policy.name=psychic"])
+    s = setup_from_overrides(["cluster.ranks=64", "sim.units=8", "sim.train_units=3", "sim.prompts_per_rank=2"])
+    assert (s.cfg.policy.resize_unit, s.cfg.policy.train_ranks, s.cfg.rollout.prompts_per_batch) == (8, 24, 128)
+
+
+def test_1024_ranks_50_iterations(tmp_path):
+    """Scale: 1,024 ranks, 2,048 prompts x 4 samples a batch, 50 iterations (the README gives the
+    1,000-iteration time)."""
+    setup = setup_from_overrides(["cluster.ranks=1024", "run.iterations=50", "rollout.prompts_per_batch=2048",
+                                  "policy=dynamic", "policy.train_ranks=512"])
+    t0 = time.perf_counter()
+    sim = Simulator(setup, tmp_path / "big")
+    path = sim.run()
+    wall = time.perf_counter() - t0
+    attrs, data = read(path)
+    assert len(data["iterations"]) == 51 and len(data["samples"]) == 50 * 2048 * 4
+    assert set(np.unique(events(data, it=10)["rank"])) == set(range(1024))
+    print(f"1024 ranks x 50 iterations: {wall:.2f} s, {len(data['events'])} events")
+
+
+def test_sweep_multirun_and_compare(tmp_path):
+    """The seed comparison's sweep (every static split, dynamic, colocated, oracle) as Hydra
+    multiruns of the simulator at 16 ranks, then `analysis.cli compare` prints the table and ratios."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "dynaresize.sim.experiment", "seed_comparison", "--ranks", "16", "--out", str(out),
+           "run.iterations=8", "sim.units=4", "sim.train_units=2", "sim.prompts_per_rank=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "throughput dynamic / best static" in proc.stdout and "hidden share" in proc.stdout
+    runs = sorted(p.name for p in out.iterdir() if (p / "timeline.h5").exists())
+    assert runs == sorted(["static_1", "static_2", "static_3", "dynamic", "colocated", "oracle"])
+    proc = subprocess.run([sys.executable, "-m", "analysis.cli", "compare", str(out)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.split("\n\n")[0].splitlines()
+    assert len(table) == 1 + len(runs)                    # a header and one row per run
+    for name in runs:
+        assert any(line.split()[0] == name for line in table[1:])
+    assert "dynamic/best static throughput: " in proc.stdout and "dynamic/oracle throughput: " in proc.stdout
+    for line in proc.stdout.splitlines():
+        if line.startswith(("dynamic/best static throughput", "dynamic/oracle throughput")):
+            assert float(line.split(":")[1].split()[0]) > 0
