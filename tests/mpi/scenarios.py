@@ -132,11 +132,12 @@ def split_training(ctrl: ControlPlane, out_dir: str) -> dict:
 SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training)}
 
 
-def main() -> None:
+def run_scenario(scenarios: dict) -> None:
+    """`SCRIPT NAME OUT_DIR`: run scenario NAME on this rank; rank 0 prints `OK {json}`."""
     name, out_dir = sys.argv[1], sys.argv[2]
     ctrl = ControlPlane()
     try:
-        result = SCENARIOS[name](ctrl, out_dir)
+        result = scenarios[name](ctrl, out_dir)
         ctrl.barrier()
         if ctrl.rank == 0:
             print("OK " + json.dumps(result), flush=True)
@@ -147,4 +148,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_scenario(SCENARIOS)

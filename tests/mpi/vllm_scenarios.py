@@ -5,10 +5,7 @@ asserts on rank 0 and prints a final `OK {json}` line there; any failure aborts 
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
-import traceback
 
 import torch
 
@@ -97,20 +94,6 @@ def vllm_sync(ctrl, out_dir: str) -> dict:
 SCENARIOS = {f.__name__: f for f in (vllm_sync,)}
 
 
-def main() -> None:
-    from dynaresize.comm import ControlPlane
-
-    name, out_dir = sys.argv[1], sys.argv[2]
-    ctrl = ControlPlane()
-    try:
-        result = SCENARIOS[name](ctrl, out_dir)
-        if ctrl.rank == 0:
-            print("OK " + json.dumps(result), flush=True)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        ctrl.abort(1)
-
-
 if __name__ == "__main__":
-    main()
+    from scenarios import run_scenario      # this script's folder is on sys.path
+    run_scenario(SCENARIOS)
