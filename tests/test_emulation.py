@@ -8,7 +8,10 @@ import analysis
 from conftest import ROOT, _env, run_cli
 
 # Responses run to their caps (ignore_eos), as the simulator assumes, so both price the same work.
-COMMON = ["+hardware=h100", "run.iterations=4", "run.max_lag=0", "rollout.ignore_eos=true"]
+# time_scale makes the priced stage times several times the real CPU ones, so every stage can be
+# stretched to its price even when 4 ranks share 2 busy cores.
+COMMON = ["+hardware=h100", "hardware.time_scale=4", "run.iterations=4", "run.max_lag=0",
+          "rollout.ignore_eos=true"]
 STAGES = ["span_s", "rollout_time_s", "train_time_s"]
 
 
