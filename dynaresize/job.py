@@ -21,10 +21,11 @@ from .flat import FlatLayout
 from .groups import GroupRegistry
 from .model import load_model, model_skeleton, prepare_checkpoint, save_model
 from .policy import Decision, IterationStats, make_policy
+from .resize import colocated_release, colocated_restore, switch
 from .roles import RoleTable
 from .rollout.base import GroupRequest, make_engine, place_groups
-from .timeline.recorder import Recorder
 from .staging import job_staging_dir, remove_dir
+from .timeline.recorder import Recorder
 from .timeline.schema import CRITICAL, SWITCH_OPS
 from .timeline.writer import TimelineWriter
 from .trainer import Sample, ShardedTrainer
@@ -155,7 +156,6 @@ class Job:
         self.set_status(f"iteration {it} ({self.table.describe()}, {self.role})")
 
     def switch(self, it: int, decision: Decision) -> None:
-        from .resize import switch
         switch(self, it, decision)
 
     def rollout(self, it: int, batch: int) -> list[Sample]:
@@ -191,7 +191,6 @@ class Job:
         if not self.table.trains(self.rank) or not batch:
             return
         if self.table.colocated_mode:
-            from .resize import colocated_release
             colocated_release(self, it)
         with self.rec.span(it, "train", self.role, batch=batch[0].batch) as ev:
             info = self.trainer.train_step(batch)
@@ -200,7 +199,6 @@ class Job:
             if self.cost:
                 self._emulate(ev, self.cost.train_time(info["tokens"], self.table.num_train, info["micro_batches"]))
         if self.table.colocated_mode:
-            from .resize import colocated_restore
             colocated_restore(self, it)
 
     def sync_weights(self, it: int) -> None:
