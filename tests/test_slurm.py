@@ -78,7 +78,10 @@ def test_sbatch_template(tmp_path):
 def test_requeue_and_time_limit_warning_resume_exactly(tmp_path):
     """Interrupted twice, by `scontrol requeue` and by Slurm's warning signal (USR2): the job resumes
     each time and ends with the same weights as an uninterrupted run, each iteration once."""
-    common = ["run.iterations=16", "policy=scripted", "policy.schedule=[2,2,1,1,3,3,2]"]
+    # Iterations long enough (~1 s) that each interruption lands mid-run: a requeued job keeps
+    # running for a few seconds (submitit ignores SIGTERM until Slurm's KillWait has passed).
+    common = ["run.iterations=24", "policy=scripted", "policy.schedule=[2,2,1,1,3,3,2]",
+              "workload.length_median=48"]
     reference = tmp_path / "reference"
     run_cli(reference, *common)
 
@@ -91,16 +94,16 @@ def test_requeue_and_time_limit_warning_resume_exactly(tmp_path):
     wait_for(lambda: os.path.exists(run / "timeline.h5") and attrs_and_iterations(run)[0].get("resumed") == 1,
              180, "the requeued job to resume")
     first_resume = newest_checkpoint(run)
-    wait_for(lambda: newest_checkpoint(run) >= first_resume + 2, 180, "progress after the resume")
+    wait_for(lambda: newest_checkpoint(run) > first_resume, 180, "progress after the resume")
     subprocess.run(["scancel", "--signal=USR2", job], check=True)      # what Slurm sends before the limit
     wait_for(lambda: attrs_and_iterations(run)[0].get("resumed") == 2, 180, "the second resume")
     wait_for(lambda: os.path.exists(run / "final_model" / "model.safetensors")
              and bool(attrs_and_iterations(run)[0]["complete"]), 240, "the job to finish")
 
     attrs, its, _, samples = attrs_and_iterations(run)
-    assert list(its) == list(range(17)), f"iterations lost or repeated: {list(its)}"
+    assert list(its) == list(range(25)), f"iterations lost or repeated: {list(its)}"
     keys = samples[["batch", "index"]]
-    assert len(samples) == 16 * 32 and len(np.unique(keys)) == len(keys)
+    assert len(samples) == 24 * 32 and len(np.unique(keys)) == len(keys)
     log = open(next((run / "slurm" / job).glob("*_0_log.out"))).read()
     assert "Slurm warned of the job's end: checkpointed" in log
     a = load_file(run / "final_model" / "model.safetensors")
