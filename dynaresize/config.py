@@ -327,8 +327,3 @@ def validate(cfg: JobConfig) -> None:
     if errors:
         raise ConfigError("invalid configuration:\n" + "\n".join(errors))
 
-
-def replace(cfg: JobConfig, **sections) -> JobConfig:
-    """A copy with some sections' fields replaced: replace(cfg, policy={'train_ranks': 2})."""
-    updated = {name: dataclasses.replace(getattr(cfg, name), **fields) for name, fields in sections.items()}
-    return dataclasses.replace(cfg, **updated)
