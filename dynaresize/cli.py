@@ -12,7 +12,7 @@ import warnings
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .comm import in_mpi_job
 from .config import ConfigError, JobConfig, load_config, to_yaml

@@ -7,7 +7,6 @@ import time
 
 import h5py
 import numpy as np
-import pytest
 from safetensors.torch import load_file
 
 from conftest import run_cli
