@@ -250,6 +250,17 @@ def _sample_table(samples: pd.DataFrame, keys: pd.Series | np.ndarray) -> pd.Dat
     })
 
 
+def samples_recorded(tl: Timeline) -> bool:
+    """False for a simulated sweep run written without per-sample rows (sim.samples=false)."""
+    return bool(tl.attrs.get("samples_recorded", True))
+
+
+def rollout_tokens(tl: Timeline) -> pd.Series:
+    """Generated tokens per iteration from the rollout events (when no sample rows were written)."""
+    ev = tl.events[tl.events["name"] == "rollout"]
+    return ev.groupby("iteration")["tokens"].sum()
+
+
 def hidden_share(total: float, critical: float) -> float:
     """1 - critical / total, NaN if there is no switch work."""
     return 1.0 - critical / total if total > 0 else math.nan
@@ -299,6 +310,8 @@ def iteration_metrics(tl: Timeline) -> pd.DataFrame:
     st = _sample_table(samples, samples["iteration"]).reindex(index)
     out["samples"] = st["samples"].fillna(0).astype(np.int64)
     out["tokens"] = st["tokens"].fillna(0).astype(np.int64)
+    if not samples_recorded(tl):
+        out["tokens"] = rollout_tokens(tl).reindex(index).fillna(0).astype(np.int64)
     with np.errstate(divide="ignore", invalid="ignore"):
         out["tokens_per_s"] = out["tokens"] / out["span_s"]
         out["samples_per_s"] = out["samples"] / out["span_s"]
@@ -367,6 +380,8 @@ def run_metrics(tl: Timeline) -> dict:
     total_time = float(sp["end"].max() - sp["start"].min()) if n else math.nan
     samples = tl.samples[np.isin(tl.samples["iteration"].to_numpy(), sp["iteration"].to_numpy())]
     tokens = int(samples["response_len"].sum())
+    if not samples_recorded(tl):
+        tokens = int(rollout_tokens(tl).reindex(sp["iteration"]).fillna(0).sum())
     lengths = samples["response_len"].to_numpy()
 
     out = {

@@ -16,6 +16,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .shapes import max_response_cap, prompt_extra_tokens
+
 
 # conf/cluster/slurm.yaml: ranks = nodes x gpus_per_node
 OmegaConf.register_new_resolver("multiply", lambda a, b: int(a) * int(b), replace=True)
@@ -65,15 +67,26 @@ class ModelConfig:
 
 @dataclass
 class WorkloadConfig:
+    """The task and the shape of its batches (dynaresize/shapes.py; presets in conf/workload/)."""
     task: str = "reverse"          # reverse | sort | add
     digits_min: int = 3
     digits_max: int = 8
-    # Per-prompt response-length caps: log-normal, median growing with the iteration.
+    # Instruction context before the question, in tokens: log-normal (median 0: none), at most prompt_max.
+    prompt_median: float = 0.0
+    prompt_sigma: float = 0.0
+    prompt_max: int = 0
+    # Hidden response lengths: a log-normal scale per prompt around a median that drifts by
+    # `length_growth` per batch, a log-normal spread per sample, cut to [length_min, length_max].
     length_median: float = 16.0
     length_sigma: float = 0.8
-    length_growth: float = 0.05    # median *= (1 + growth) each iteration
+    sample_sigma: float = 0.0      # spread of the samples of one prompt group around its scale
+    length_growth: float = 0.05    # median *= (1 + growth) each batch
     length_min: int = 4
-    length_max: int = 96
+    length_max: int = 96           # the max response length (cap)
+    length_max_schedule: list[Any] = field(default_factory=list)  # [[batch, cap], ...]: cap from that batch on
+    oversample: list[Any] = field(default_factory=list)           # [[batch, factor], ...]: linear (DAPO)
+    mixture: list[Any] = field(default_factory=list)              # task presets ({length_median: ..}), rotating every mixture_block
+    mixture_block: int = 10
 
 
 @dataclass
@@ -82,7 +95,7 @@ class RolloutConfig:
     prompts_per_batch: int = 8
     samples_per_prompt: int = 4    # GRPO group size
     temperature: float = 1.0
-    ignore_eos: bool = False       # benchmarking: every response runs to its length cap
+    ignore_eos: bool = False       # benchmarking: every response runs to its hidden length (no early <eos>)
     # vLLM engine settings (rollout=vllm)
     gpu_memory_utilization: float = 0.5
     release: str = "sleep"         # on leaving rollout: sleep (CUDA sleep mode) | teardown | keep
@@ -103,6 +116,9 @@ class TrainerConfig:
     # Gradients are summed across micro-batches and ranks in float64, so the sum (and thus the
     # weights) does not depend on how many train ranks there are, up to the final rounding.
     grad_reduce_dtype: str = "float64"
+    # Recompute the old (behaviour) log-probabilities with the trainer's weights before the update,
+    # as verl's old_log_prob pass does, instead of taking the rollout engine's.
+    recompute_logprobs: bool = False
 
 
 @dataclass
@@ -238,9 +254,11 @@ def validate(cfg: JobConfig) -> None:
         need(m.num_kv_heads > 0 and m.num_heads % max(m.num_kv_heads, 1) == 0, "model.num_kv_heads",
              f"{m.num_kv_heads} does not divide num_heads={m.num_heads}", "use a divisor of num_heads")
         need(m.num_layers >= 1, "model.num_layers", f"is {m.num_layers}", "use 1 or more")
-        need(w.digits_max + 2 + w.length_max <= m.max_position, "model.max_position",
-             f"{m.max_position} is shorter than the longest prompt plus response "
-             f"({w.digits_max + 2 + w.length_max})", "raise model.max_position or lower workload.length_max")
+        if run.mode != "simulate":        # the simulator prices hardware.model, not this one
+            longest = w.prompt_max + w.digits_max + prompt_extra_tokens(w.task) + max_response_cap(w)
+            need(longest <= m.max_position, "model.max_position",
+                 f"{m.max_position} is shorter than the longest prompt plus response ({longest})",
+                 "raise model.max_position or lower workload.length_max (and its schedule)")
     need(m.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {m.dtype!r}",
          "use float32, bfloat16 or float16")
 
@@ -250,8 +268,29 @@ def validate(cfg: JobConfig) -> None:
          f"digits_min={w.digits_min}, digits_max={w.digits_max}", "need 1 <= digits_min <= digits_max")
     need(1 <= w.length_min <= w.length_max, "workload.length_min",
          f"length_min={w.length_min}, length_max={w.length_max}", "need 1 <= length_min <= length_max")
-    need(w.length_median > 0 and w.length_sigma >= 0, "workload.length_median",
-         "median must be > 0 and sigma >= 0", "set a positive median")
+    need(w.length_median > 0 and w.length_sigma >= 0 and w.sample_sigma >= 0, "workload.length_median",
+         "median must be > 0, length_sigma and sample_sigma >= 0", "set a positive median and non-negative sigmas")
+    need(w.prompt_median >= 0 and w.prompt_sigma >= 0 and w.prompt_max >= 0, "workload.prompt_median",
+         "prompt_median, prompt_sigma and prompt_max must be >= 0", "fix the prompt-length settings")
+    need(w.prompt_median == 0 or w.prompt_max >= 1, "workload.prompt_max",
+         f"is {w.prompt_max} with prompt_median={w.prompt_median}", "give the longest context (prompt_max >= 1)")
+    for name, points, low in (("length_max_schedule", w.length_max_schedule, w.length_min),
+                              ("oversample", w.oversample, 1.0)):
+        ok = all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
+                 and p[0] >= 0 and p[1] >= low for p in points)
+        ok = ok and all(a[0] < b[0] for a, b in zip(points, points[1:]))
+        need(ok, f"workload.{name}", f"{points} is not a list of [batch, value] pairs with increasing batches "
+             f"and values >= {low}", "write e.g. [[0, 8192], [40, 16384]]")
+    keys = {"length_median", "length_sigma", "prompt_median", "prompt_sigma"}
+    for i, entry in enumerate(w.mixture):
+        ok = (isinstance(entry, dict) and set(entry) <= keys
+              and all(isinstance(v, (int, float)) and v >= 0 for v in entry.values())
+              and entry.get("length_median", 1) > 0)
+        need(ok, f"workload.mixture[{i}]", f"{entry} is not a mapping of known keys to non-negative numbers",
+             f"use only {sorted(keys)}, e.g. {{length_median: 3000, prompt_median: 200}}")
+        need(not ok or entry.get("prompt_median", 0) == 0 or w.prompt_max >= 1, f"workload.mixture[{i}]",
+             "sets prompt_median but workload.prompt_max is 0", "give workload.prompt_max")
+    need(w.mixture_block >= 1, "workload.mixture_block", f"is {w.mixture_block}", "use 1 or more batches per task")
 
     need(r.engine in ("torch", "vllm"), "rollout.engine", f"unknown engine {r.engine!r}", "use torch or vllm")
     if r.engine == "vllm":

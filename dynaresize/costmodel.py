@@ -10,11 +10,15 @@ fit is a least-squares problem and a prediction is a dot product:
 rollout (one rank)   base + per_group x groups + per_step x decode steps + per_token x tokens
                      + per_kv_token x sum over decode steps of the context tokens attended
                      + per_prompt_token x prompt tokens (prefill)
-                     Decode steps: with `continuous` batching (vLLM) all sequences of the rank decode
-                     together, so the rank's longest sample sets the steps (the long tail); with
+                     Decode steps: with `continuous` batching (vLLM) the rank's sequences are
+                     list-scheduled into its slots (max_num_seqs, or fewer when the KV cache is
+                     full: capacity from the profile's GPU memory), so without a queue the longest
+                     sample sets the steps (the long tail) and with one the queue adds to it; with
                      `sequential` batching (the torch engine: one prompt group at a time) the steps
                      are the sum over groups of each group's longest sample.
-train (one rank)     compute: per_micro_batch x micro-batches + per_token x tokens (forward+backward),
+train (one rank)     compute: per_micro_batch x micro-batches + per_token x tokens (forward+backward)
+                     + per_logprob_token x tokens per forward-only pass the trainer runs (the
+                     old-log-prob recompute, the reference model),
                      then the group's synchronisation: base + per_inverse_rank / k (the optimizer step
                      on a 1/k shard) + latency x log2 steps + per_byte x bytes of the gradient
                      all-reduce and the parameter all-gather.
@@ -37,6 +41,7 @@ This module needs numpy and PyYAML only (no torch, no MPI).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 import os
@@ -138,7 +143,8 @@ class RolloutCoef:
 class TrainCoef:
     base_s: float = 0.0
     per_micro_batch_s: float = 0.0
-    per_token_s: float = 0.0
+    per_token_s: float = 0.0             # forward + backward of the update, per token
+    per_logprob_token_s: float = 0.0     # one forward-only log-prob pass (old-log-prob recompute, reference)
     per_inverse_rank_s: float = 0.0      # optimizer step over all parameters on one rank (divided by k)
     latency_s: float = 0.0               # per log2(k) step of a collective
     per_byte_intra_s: float = 0.0        # collective bytes inside a node
@@ -236,9 +242,15 @@ class HardwareProfile:
     mfu_prefill: float = 0.5
     mfu_decode: float = 0.3
     mbu_decode: float = 0.7              # achieved / peak HBM bandwidth in decode
+    mfu_logprob: float = 0.4             # forward-only log-prob passes (old-log-prob recompute, reference)
     decode_step_overhead_s: float = 0.0  # host-side work per decode step (scheduling, sampling)
     batching: str = "continuous"         # continuous (vLLM) | sequential (torch engine: one group at a time)
     max_num_seqs: int = 256              # sequences decoded together (continuous batching)
+    # KV-cache capacity of a rollout rank: memory x utilisation - weights - reserved, over the
+    # model's KV bytes per token; 0 memory: unlimited (fitted CPU profiles)
+    gpu_memory_bytes: float = 0.0
+    gpu_memory_utilization: float = 0.9
+    engine_reserved_bytes: float = 0.0   # activations, CUDA graphs, sampler buffers of the engine
     rollout_base_s: float = 0.0
     train_base_s: float = 0.0
     optimizer_bytes_per_param: float = 28.0   # AdamW in float32: read p, g, m, v; write p, m, v
@@ -306,6 +318,11 @@ class HardwareProfile:
                                   f"positive value. Fix: give it (with its source)")
         if self.max_num_seqs < 1:
             errors.append(f"hardware.max_num_seqs: is {self.max_num_seqs}. Fix: use 1 or more")
+        if self.kind == "analytic" and not self.mfu_logprob > 0:
+            errors.append(f"hardware.mfu_logprob: is {self.mfu_logprob}. Fix: give a positive efficiency")
+        if self.gpu_memory_bytes < 0 or not 0 < self.gpu_memory_utilization <= 1 or self.engine_reserved_bytes < 0:
+            errors.append("hardware.gpu_memory_bytes / gpu_memory_utilization / engine_reserved_bytes: need memory "
+                          ">= 0 (0: unlimited KV cache), 0 < utilization <= 1, reserved >= 0. Fix: correct them")
         if self.gpus_per_node < 0:
             errors.append(f"hardware.gpus_per_node: is {self.gpus_per_node}. Fix: use 0 (one node) or more")
         if not self.time_scale > 0:
@@ -382,6 +399,30 @@ def _plain(obj):
 # ---------------------------------------------------------------------------------------------
 # The cost model
 
+def continuous_steps(assign, response_lens, slots, ranks: int) -> np.ndarray:
+    """Decode steps of every rank under continuous batching: rank r runs `slots[r]` sequences at
+    once, admitting its sequences (group by group in index order) first come first served into the
+    slot that frees first (list scheduling). Without a queue a rank takes its longest sequence's
+    steps; a queued rank's first slots[r] sequences start at once and each later one waits for the
+    earliest free slot (a heap of slot free times)."""
+    assign = np.asarray(assign, dtype=np.int64)
+    L = np.asarray(response_lens, dtype=np.int64)
+    steps = np.zeros(ranks)
+    if L.size:
+        np.maximum.at(steps, assign, L.max(axis=1))
+    counts = np.bincount(assign, minlength=ranks) * (L.shape[1] if L.ndim == 2 else 0)
+    slots = np.asarray(slots, dtype=np.int64)
+    for r in np.flatnonzero(counts > slots).tolist():
+        seqs = L[assign == r].ravel().tolist()
+        free = seqs[:slots[r]]                    # the slots' free times
+        heapq.heapify(free)
+        replace = heapq.heapreplace
+        for length in seqs[slots[r]:]:
+            replace(free, free[0] + length)       # the earliest free slot takes the next sequence
+        steps[r] = max(free)
+    return steps
+
+
 def _log2_steps(ranks) -> np.ndarray | float:
     r = np.maximum(np.asarray(ranks, dtype=np.float64), 1.0)
     out = np.ceil(np.log2(r))
@@ -396,7 +437,7 @@ class CostModel:
 
     def __init__(self, profile: HardwareProfile | str, model: ModelSpec | None = None, *,
                  samples_per_prompt: int = 4, micro_batch_size: int = 4, grad_reduce_bytes: int = 8,
-                 reference_model: bool = False):
+                 reference_model: bool = False, recompute_logprobs: bool = False):
         self.profile = load_profile(profile)
         self.model = self.profile.model or model
         if self.model is None:
@@ -405,7 +446,8 @@ class CostModel:
         self.samples_per_prompt = samples_per_prompt
         self.micro_batch_size = micro_batch_size
         self.grad_reduce_bytes = grad_reduce_bytes
-        self.reference_model = reference_model
+        # forward-only passes the trainer runs before the update: reference model, old-log-prob recompute
+        self.logprob_passes = int(reference_model) + int(recompute_logprobs)
         self.gpus_per_node = self.profile.gpus_per_node
         self.continuous = self.profile.batching == "continuous"
         self.max_num_seqs = self.profile.max_num_seqs
@@ -413,7 +455,8 @@ class CostModel:
         if self.profile.kind == "fitted":
             self.coef = self.profile.coefficients
         else:
-            self.coef = analytic_coefficients(self.profile, self.model, reference_model=reference_model)
+            self.coef = analytic_coefficients(self.profile, self.model)
+        self.kv_capacity = kv_capacity_tokens(self.profile, self.model)
 
     @classmethod
     def for_job(cls, cfg, profile: HardwareProfile | str | Mapping) -> "CostModel":
@@ -423,7 +466,7 @@ class CostModel:
         return cls(profile, model, samples_per_prompt=cfg.rollout.samples_per_prompt,
                    micro_batch_size=cfg.trainer.micro_batch_size,
                    grad_reduce_bytes=8 if cfg.trainer.grad_reduce_dtype == "float64" else 4,
-                   reference_model=cfg.trainer.kl_coef > 0)
+                   reference_model=cfg.trainer.kl_coef > 0, recompute_logprobs=cfg.trainer.recompute_logprobs)
 
     # --- sizes the runtime moves ----------------------------------------------------------------
     @property
@@ -445,27 +488,71 @@ class CostModel:
         return self.gpus_per_node > 0 and ranks > self.gpus_per_node
 
     # --- rollout -----------------------------------------------------------------------------
+    # A rank's rollout: prefill, then decode steps. Every step costs per_step_s (reading the
+    # weights, host work) plus per_token_s per running sequence plus per_kv_token_s per context
+    # token attended, so the time is linear in (steps, tokens, kv, prompt tokens); the schedule
+    # only decides the number of steps:
+    # - sequential batching (the torch engine): one group after another, a group runs until its
+    #   longest sample ends;
+    # - continuous batching (vLLM): sequences are admitted in order into `slots` concurrent ones
+    #   (max_num_seqs, or fewer when the KV cache fills: slots = KV capacity / the mean context a
+    #   running sequence holds) and a freed slot takes the next waiting one; the rank ends when its
+    #   last sequence does. Without a queue, the longest sample sets the steps (the long tail).
+    #   Preemption and recompute when the cache overflows are not modelled (vLLM's default
+    #   recompute preemption would only add work).
+
+    def rollout_rank_features(self, assign, prompt_lens, response_lens, ranks: int,
+                              schedule: bool = True) -> dict[str, np.ndarray]:
+        """Work of every rollout rank: prompt group i (prompt_lens[i] tokens; its samples' response
+        lengths response_lens[i, :]) runs on rank assign[i]; a rank admits its groups in index
+        order. schedule=False leaves out the decode steps (the only part that needs a schedule)."""
+        assign = np.asarray(assign, dtype=np.int64)
+        L = np.asarray(response_lens, dtype=np.float64)
+        P = np.asarray(prompt_lens, dtype=np.float64)
+        spp = L.shape[1] if L.ndim == 2 else 0
+        tokens = np.bincount(assign, weights=L.sum(axis=1), minlength=ranks)
+        kv = np.bincount(assign, weights=P * L.sum(axis=1) + (L * (L - 1) / 2).sum(axis=1), minlength=ranks)
+        f = {"base": np.ones(ranks), "groups": np.bincount(assign, minlength=ranks).astype(np.float64),
+             "tokens": tokens, "kv": kv, "prompt_tokens": np.bincount(assign, weights=P * spp, minlength=ranks)}
+        if not schedule:
+            return f
+        if self.continuous:
+            f["steps"] = continuous_steps(assign, L, self.decode_slots(tokens, kv), ranks)
+        else:
+            longest = L.max(axis=1) if spp else np.zeros(len(assign))
+            f["steps"] = np.bincount(assign, weights=longest, minlength=ranks)
+        return f
+
+    def decode_slots(self, tokens, kv) -> np.ndarray:
+        """Concurrent sequences of a rank: max_num_seqs, or what its KV cache holds at the mean
+        context a running sequence keeps (kv / tokens: the context attended per decoded token)."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        kv = np.asarray(kv, dtype=np.float64)
+        slots = np.full(tokens.shape, float(self.max_num_seqs))
+        if math.isfinite(self.kv_capacity):
+            context = np.where(tokens > 0, kv / np.maximum(tokens, 1.0), 1.0)
+            slots = np.minimum(slots, np.floor(self.kv_capacity / np.maximum(context, 1.0)))
+        return np.maximum(slots, 1.0).astype(np.int64)
+
+    def rollout_times(self, assign, prompt_lens, response_lens, ranks: int) -> np.ndarray:
+        """Seconds of every rollout rank: prompt group i (prompt_lens[i] tokens, its samples'
+        response lengths response_lens[i, :]) runs on rank assign[i]."""
+        return self.rollout_from_features(self.rollout_rank_features(assign, prompt_lens, response_lens, ranks))
+
     def rollout_features(self, groups: Sequence, prompt_lens: Sequence[int] | None = None,
                          samples_per_prompt: int | None = None) -> dict[str, float]:
         """Work of one rank's rollout: `groups` is one entry per prompt group, either the response
-        lengths of its samples (a list) or its length cap (an int: `samples_per_prompt` samples
-        running to the cap). `prompt_lens`: prompt tokens of each group (default 0)."""
+        lengths of its samples (a list) or one length for all `samples_per_prompt` samples (an int).
+        `prompt_lens`: prompt tokens of each group (default 0)."""
         spp = samples_per_prompt or self.samples_per_prompt
-        lens = [np.asarray(g if isinstance(g, (list, tuple, np.ndarray)) else [g] * spp, dtype=np.float64)
-                for g in groups]
+        lens = [list(g) if isinstance(g, (list, tuple, np.ndarray)) else [g] * spp for g in groups]
+        width = max((len(g) for g in lens), default=spp)
+        if any(len(g) != width for g in lens):
+            raise ValueError("rollout_features: every prompt group needs the same number of samples")
+        L = np.asarray(lens, dtype=np.float64).reshape(len(lens), width)
         plens = np.zeros(len(lens)) if prompt_lens is None else np.asarray(prompt_lens, dtype=np.float64)
-        longest = np.array([g.max() if len(g) else 0.0 for g in lens])
-        tokens = float(sum(g.sum() for g in lens))
-        kv = float(sum((p * g + g * (g - 1) / 2).sum() for p, g in zip(plens, lens)))
-        prompt_tokens = float(sum(p * len(g) for p, g in zip(plens, lens)))
-        seqs = sum(len(g) for g in lens)
-        if self.continuous:
-            steps = float(longest.max()) if len(longest) else 0.0
-            steps = max(steps, tokens / self.max_num_seqs) if seqs > self.max_num_seqs else steps
-        else:
-            steps = float(longest.sum())
-        return {"base": 1.0, "groups": float(len(lens)), "steps": steps, "tokens": tokens, "kv": kv,
-                "prompt_tokens": prompt_tokens}
+        f = self.rollout_rank_features(np.zeros(len(lens), dtype=np.int64), plens, L, 1)
+        return {k: float(v[0]) for k, v in f.items()}
 
     def rollout_time(self, groups: Sequence, prompt_lens: Sequence[int] | None = None,
                      samples_per_prompt: int | None = None) -> float:
@@ -478,37 +565,37 @@ class CostModel:
              + c.per_token_s * f["tokens"] + c.per_kv_token_s * f["kv"] + c.per_prompt_token_s * f["prompt_tokens"])
         return t * self.scale
 
-    def rollout_rank_features(self, assign: np.ndarray, caps: np.ndarray, prompt_lens: np.ndarray,
-                              ranks: int) -> dict[str, np.ndarray]:
-        """rollout_features for every rank at once: prompt i (cap caps[i]) runs on rank assign[i]
-        with samples_per_prompt samples that run to the cap."""
-        spp = float(self.samples_per_prompt)
-        caps = np.asarray(caps, dtype=np.float64)
-        plens = np.asarray(prompt_lens, dtype=np.float64)
-        groups = np.bincount(assign, minlength=ranks).astype(np.float64)
-        tokens = np.bincount(assign, weights=caps * spp, minlength=ranks)
-        kv = np.bincount(assign, weights=spp * (plens * caps + caps * (caps - 1) / 2), minlength=ranks)
-        prompt_tokens = np.bincount(assign, weights=plens * spp, minlength=ranks)
-        if self.continuous:
-            steps = np.zeros(ranks)
-            np.maximum.at(steps, assign, caps)
-            crowded = groups * spp > self.max_num_seqs
-            steps = np.where(crowded, np.maximum(steps, tokens / self.max_num_seqs), steps)
-        else:
-            steps = np.bincount(assign, weights=caps, minlength=ranks)
-        return {"base": np.ones(ranks), "groups": groups, "steps": steps, "tokens": tokens, "kv": kv,
-                "prompt_tokens": prompt_tokens}
+    # --- what no split can beat ----------------------------------------------------------------
+    def longest_decode_time(self, prompt_lens, response_lens) -> float:
+        """The batch's longest sample generated alone on one rank: decode is sequential, so no
+        number of rollout ranks finishes the batch sooner."""
+        response_lens = np.asarray(response_lens)
+        i, j = np.unravel_index(np.argmax(response_lens), response_lens.shape)
+        return self.rollout_time([[int(response_lens[i, j])]], [int(np.asarray(prompt_lens)[i])])
 
-    def rollout_times(self, assign: np.ndarray, caps: np.ndarray, prompt_lens: np.ndarray, ranks: int) -> np.ndarray:
-        """Seconds of every rollout rank (vectorised rollout_time)."""
-        return self.rollout_from_features(self.rollout_rank_features(assign, caps, prompt_lens, ranks))
+    def rollout_work(self, prompt_lens, response_lens) -> float:
+        """Rank-seconds of generating the batch with every step at full concurrency (no tail)."""
+        f = self.rollout_rank_features(np.zeros(len(response_lens), dtype=np.int64), prompt_lens, response_lens, 1,
+                                       schedule=False)
+        f = {k: float(v[0]) for k, v in f.items()}
+        concurrency = float(self.decode_slots(f["tokens"], f["kv"])) if self.continuous else self.samples_per_prompt
+        f["steps"] = f["tokens"] / concurrency
+        return float(self.rollout_from_features(f))
 
     # --- training ----------------------------------------------------------------------------
     def train_compute_time(self, tokens, micro_batches=1):
-        """Forward and backward passes of one train rank over `tokens` in `micro_batches`."""
+        """Forward-only log-prob passes (when the trainer runs them) and forward and backward of the
+        update, of one train rank over `tokens` in `micro_batches`."""
         c = self.coef.train
+        per_token = c.per_token_s + self.logprob_passes * c.per_logprob_token_s
         return (c.per_micro_batch_s * np.asarray(micro_batches, dtype=np.float64)
-                + c.per_token_s * np.asarray(tokens, dtype=np.float64)) * self.scale
+                + per_token * np.asarray(tokens, dtype=np.float64)) * self.scale
+
+    def train_pass_times(self, tokens) -> dict[str, float]:
+        """Seconds of each pass over `tokens` on one rank: log-prob (one forward-only pass, e.g. the
+        old-log-prob recompute or the reference model) and update (forward + backward)."""
+        c = self.coef.train
+        return {"logprob": c.per_logprob_token_s * tokens * self.scale, "update": c.per_token_s * tokens * self.scale}
 
     def train_sync_parts(self, train_ranks: int) -> tuple[float, float, float]:
         """(before the optimizer step: base + gradient all-reduce; the optimizer step on a 1/k shard;
@@ -625,12 +712,24 @@ class CostModel:
                 f"{m.name} {m.params / 1e9:.3g}B params")
 
 
-def analytic_coefficients(p: HardwareProfile, m: ModelSpec, reference_model: bool = False) -> Coefficients:
+def kv_capacity_tokens(p: HardwareProfile, m: ModelSpec) -> float:
+    """Tokens of KV cache one rollout rank holds: (GPU memory x utilisation - weights - reserved)
+    / KV bytes per token; infinite when the profile gives no memory (fitted CPU profiles)."""
+    if not p.gpu_memory_bytes > 0:
+        return math.inf
+    free = p.gpu_memory_bytes * p.gpu_memory_utilization - m.params * m.weight_bytes - p.engine_reserved_bytes
+    if free <= 0:
+        raise ProfileError(f"hardware.gpu_memory_bytes: {p.gpu_memory_bytes:.3g} B x {p.gpu_memory_utilization} "
+                           f"leaves no KV cache after {m.params * m.weight_bytes:.3g} B of weights and "
+                           f"{p.engine_reserved_bytes:.3g} B reserved. Fix: a smaller model or a larger GPU")
+    return free / m.kv_bytes_per_token
+
+
+def analytic_coefficients(p: HardwareProfile, m: ModelSpec) -> Coefficients:
     """Coefficients from hardware figures and the model size (see conf/hardware/h100.yaml)."""
     P = float(m.params)
     hbm_eff = p.hbm_bandwidth * p.mbu_decode
     net = p.network_efficiency
-    train_flops_per_token = (6.0 + (2.0 if reference_model else 0.0)) * P
     return Coefficients(
         rollout=RolloutCoef(
             base_s=p.rollout_base_s,
@@ -644,7 +743,8 @@ def analytic_coefficients(p: HardwareProfile, m: ModelSpec, reference_model: boo
         train=TrainCoef(
             base_s=p.train_base_s,
             per_micro_batch_s=0.0,
-            per_token_s=train_flops_per_token / (p.peak_flops * p.mfu_train),
+            per_token_s=6.0 * P / (p.peak_flops * p.mfu_train),           # forward 2P + backward 4P
+            per_logprob_token_s=2.0 * P / (p.peak_flops * p.mfu_logprob),  # forward only
             per_inverse_rank_s=P * p.optimizer_bytes_per_param / p.hbm_bandwidth,
             latency_s=p.collective_latency_s,
             per_byte_intra_s=1.0 / (p.intra_node_bandwidth * net),
@@ -681,4 +781,5 @@ def job_profile(cfg, hardware: Any = None) -> HardwareProfile:
 
 
 __all__ = ["CostModel", "HardwareProfile", "ModelSpec", "Coefficients", "ProfileError", "load_profile",
-           "available_profiles", "analytic_coefficients", "job_profile", "qwen2_params", "CONF_DIR"]
+           "available_profiles", "analytic_coefficients", "kv_capacity_tokens", "continuous_steps", "job_profile",
+           "qwen2_params", "CONF_DIR"]

@@ -23,7 +23,8 @@ from .model import load_model, model_skeleton, prepare_checkpoint, save_model
 from .policy import Decision, IterationStats, make_policy
 from .resize import colocated_release, colocated_restore, switch
 from .roles import RoleTable
-from .rollout.base import GroupRequest, make_engine, place_groups
+from .placement import place_prompts, placement_lists
+from .rollout.base import GroupRequest, make_engine
 from .staging import job_staging_dir, remove_dir
 from .timeline.recorder import Recorder
 from .timeline.schema import CRITICAL, SWITCH_OPS
@@ -159,13 +160,14 @@ class Job:
         switch(self, it, decision)
 
     def rollout(self, it: int, batch: int) -> list[Sample]:
-        """Generate this rank's share of batch `batch`: whole prompt groups, placed by length."""
+        """Generate this rank's share of batch `batch`: whole prompt groups, placed by prompt length
+        (a response's length is unknown until it is generated)."""
         if not self.table.generates(self.rank):
             return []
         r, seed = self.cfg.rollout, self.cfg.run.seed
-        prompts = make_batch(self.cfg.workload, seed, batch, r.prompts_per_batch)
-        placement = place_groups([p.length_cap for p in prompts], self.table.num_rollout)
-        mine = placement[self.table.rollout_ranks().index(self.rank)]
+        prompts = make_batch(self.cfg.workload, seed, batch, r.prompts_per_batch, r.samples_per_prompt)
+        assign = place_prompts([len(p.tokens) for p in prompts], self.table.num_rollout)
+        mine = placement_lists(assign, self.table.num_rollout)[self.table.rollout_ranks().index(self.rank)]
         requests = [GroupRequest(prompts[i], tuple(sample_seed(seed, batch, i, j)
                                                    for j in range(r.samples_per_prompt)),
                                  first_index=i * r.samples_per_prompt) for i in mine]
@@ -173,10 +175,10 @@ class Job:
             generations = self.engine.generate(requests, r.temperature)
             ev["tokens"] = sum(len(g.tokens) for group in generations for g in group)
             if self.cost:
-                self._emulate(ev, self.cost.rollout_time([[len(g.tokens) for g in group] for group in generations],
+                self.emulate(ev, self.cost.rollout_time([[len(g.tokens) for g in group] for group in generations],
                                                          [len(req.prompt.tokens) for req in requests]))
         return [Sample(batch, req.first_index + j, req.prompt.index, self.rank, list(req.prompt.tokens),
-                       g.tokens, g.logprobs, req.prompt.length_cap, reward(req.prompt, g.tokens))
+                       g.tokens, g.logprobs, req.prompt.response_lens[j], reward(req.prompt, g.tokens))
                 for req, group in zip(requests, generations) for j, g in enumerate(group)]
 
     def exchange(self, it: int, samples: list[Sample]) -> list[Sample]:
@@ -190,6 +192,8 @@ class Job:
     def train(self, it: int, batch: list[Sample]) -> None:
         if not self.table.trains(self.rank) or not batch:
             return
+        # Over-sampled batches (workload.oversample): the trainer takes the first prompt groups.
+        batch = [s for s in batch if s.index < self.cfg.batch_size]
         if self.table.colocated_mode:
             colocated_release(self, it)
         with self.rec.span(it, "train", self.role, batch=batch[0].batch) as ev:
@@ -197,7 +201,7 @@ class Job:
             ev["tokens"] = info["tokens"]
             ev["attrs"].update(loss=round(info["loss"], 6), grad_norm=round(info["grad_norm"], 6))
             if self.cost:
-                self._emulate(ev, self.cost.train_time(info["tokens"], self.table.num_train, info["micro_batches"]))
+                self.emulate(ev, self.cost.train_time(info["tokens"], self.table.num_train, info["micro_batches"]))
         if self.table.colocated_mode:
             colocated_restore(self, it)
 
@@ -215,11 +219,12 @@ class Job:
                 self.engine.load_weights(self.layout.views(flat))
             ev["bytes"] = flat.numel() * flat.element_size()
             if self.cost:
-                self._emulate(ev, self.cost.weight_sync_time(ranks=1 + self.table.num_rollout))
+                self.emulate(ev, self.cost.weight_sync_time(ranks=1 + self.table.num_rollout))
 
-    def _emulate(self, event: dict, device_s: float) -> None:
-        """run.mode=emulate: stretch the stage to `device_s`, the time the profile's device would
-        take for this work (a stage that took longer stays longer); both times are recorded."""
+    def emulate(self, event: dict, device_s: float) -> None:
+        """run.mode=emulate: stretch a stage or switch operation to `device_s`, the time the
+        profile's device would take for this work (one that took longer stays longer); both times
+        are recorded."""
         real = self.ctrl.now() - event["start"]
         if device_s > real:
             time.sleep(device_s - real)

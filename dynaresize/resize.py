@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,9 @@ class Plan:
         self.label = f"iteration {it}, table v{old.version} {old.describe()} -> v{new.version} {new.describe()}"
 
     @contextlib.contextmanager
-    def op(self, name: str, critical: bool = True, **attrs):
+    def op(self, name: str, critical: bool = True, price: dict | None = None, **attrs):
+        """Run and record operation `name`. `price`: its CostModel.switch_op_time arguments, so that
+        in run.mode=emulate it lasts what the profile's hardware would take (Job.emulate)."""
         job = self.job
         job.set_status(f"switch operation {name!r} ({self.label})")
         inject_fault(job.rank, name)
@@ -58,16 +61,27 @@ class Plan:
         try:
             with job.rec.span(self.it, name, role, CRITICAL if critical else BACKGROUND, **attrs) as ev:
                 yield ev
+                if job.cost is not None:
+                    job.emulate(ev, job.cost.switch_op_time(name, **(price or {})))
         except Exception as e:
             raise SwitchError(f"rank {job.rank}: switch operation {name!r} failed ({self.label}): "
                               f"{type(e).__name__}: {e}") from e
 
-    def background(self, name: str, fn, critical: bool = False) -> "BackgroundOp | Done":
+    def background(self, name: str, fn, critical: bool = False, price: dict | None = None) -> "BackgroundOp | Done":
         """Run `fn() -> (result, bytes moved)` in the background; `.wait()` gives the result."""
         if critical:                      # baseline: run it now, on the critical path
-            with self.op(name) as ev:
+            with self.op(name, price=price) as ev:
                 result, ev["bytes"] = fn()
             return Done(result)
+        cost = self.job.cost
+        if cost is not None:              # emulate: the thread lasts the priced time
+            priced, run = cost.switch_op_time(name, **(price or {})), fn
+
+            def fn(run=run, priced=priced, clock=self.job.ctrl.now):
+                start = clock()
+                out = run()
+                time.sleep(max(priced - (clock() - start), 0.0))
+                return out
         self.job.set_status(f"switch operation {name!r} ({self.label}, background)")
         inject_fault(self.job.rank, name)
         op = BackgroundOp(self, name, fn)
@@ -144,8 +158,9 @@ def switch(job, it: int, decision: Decision) -> None:
     numel = job.layout.numel
     staging = job.cfg.staging
     network = job.staging_transport(max(k, k2)) == "network"
+    weight_bytes = job.cost.weight_bytes if job.cost else 0      # sizes emulation prices (the profile's model)
 
-    with plan.op("commit"):                          # every rank acknowledges v' before anyone acts
+    with plan.op("commit", price={"ranks": job.world}):   # every rank acknowledges v' before anyone acts
         versions = job.ctrl.allgather(new.version)
         if len(set(versions)) != 1:
             raise SwitchError(f"ranks disagree on the new table version: {versions}")
@@ -154,7 +169,7 @@ def switch(job, it: int, decision: Decision) -> None:
         job.registry.ensure(k2)                      # a lookup; a collective creation only without reuse
 
     if not was_train and will_train:                 # joining training: the engine's memory goes first
-        with plan.op("release", mode=job.cfg.rollout.release):
+        with plan.op("release", price={"release_mode": job.cfg.rollout.release}, mode=job.cfg.rollout.release):
             job.engine.release()                     # parked: sleep mode keeps it for a cheap return
             job.parked_engine, job.engine = job.engine, None
 
@@ -162,7 +177,7 @@ def switch(job, it: int, decision: Decision) -> None:
     if was_train:
         shard = job.trainer.export_shard()
         if network:                                  # across nodes: ranges move over the data plane
-            with plan.op("reshard") as ev:
+            with plan.op("reshard", price={"nbytes": 3 * weight_bytes, "ranks": max(k, k2), "broadcasts": k}) as ev:
                 new_shard = reshard_over_network(job, shard, k, k2, numel)
                 ev["bytes"] = 3 * (shard.hi - shard.lo) * 4
         else:
@@ -171,30 +186,33 @@ def switch(job, it: int, decision: Decision) -> None:
             def stage_out(shard=shard, path=path):
                 return None, write_shard(path, shard, new.version, staging.buffer_mb, staging.fsync)
 
+            out_price = {"nbytes": shard_bytes(job, k)}
             if will_train:
-                plan.background("stage_out", stage_out, critical=staging.critical)
+                plan.background("stage_out", stage_out, critical=staging.critical, price=out_price)
             else:                                    # leaving: spill now, its memory is the engine's
-                with plan.op("stage_out") as ev:
+                with plan.op("stage_out", price=out_price) as ev:
                     ev["bytes"] = stage_out()[1]
             job.staged_files.append(path)
     elif network and r < max(k, k2):
-        with plan.op("reshard"):
+        with plan.op("reshard", price={"nbytes": 3 * weight_bytes, "ranks": max(k, k2), "broadcasts": k}):
             new_shard = reshard_over_network(job, None, k, k2, numel)
 
     if was_train and not will_train:                 # joining rollout: engine, then its own weights
-        with plan.op("engine_start", restored=job.parked_engine is not None):
+        restored = job.parked_engine is not None
+        with plan.op("engine_start", price={"restore": restored, "release_mode": job.cfg.rollout.release},
+                     restored=restored):
             if job.parked_engine is not None:
                 job.engine, job.parked_engine = job.parked_engine, None
                 job.engine.restore()
             else:
                 job.engine = job._start_engine()
-        with plan.op("weight_load") as ev:
+        with plan.op("weight_load", price={"nbytes": weight_bytes}) as ev:
             job.engine.load_weights(job.layout.views(job.trainer.flat))
             ev["bytes"] = numel * 4
         job.trainer = None
 
     if k2 > k and will_train:                        # the new train set gets train rank 0's weights
-        with plan.op("weight_load") as ev:
+        with plan.op("weight_load", price={"nbytes": weight_bytes, "ranks": k2}) as ev:
             if job.trainer is None:
                 job.trainer = ShardedTrainer(load_model(job.model_dir, "float32", job.device), job.cfg.trainer,
                                              job.cfg.rollout.temperature, job.device)
@@ -209,12 +227,18 @@ def switch(job, it: int, decision: Decision) -> None:
             def stage_in(lo=lo, hi=hi):
                 return read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range), 3 * (hi - lo) * 4
 
-            pending = plan.background("stage_in", stage_in, critical=staging.critical)
+            pending = plan.background("stage_in", stage_in, critical=staging.critical,
+                                      price={"nbytes": shard_bytes(job, k2)})
         job.trainer.join(job.registry.get("train", k2), new.train_ranks(), r, pending=pending)
 
     job.registry.release_unreused(k)                 # without reuse, the old split's groups go
     job.table = new
     job.set_status(f"running ({new.describe()})")
+
+
+def shard_bytes(job, shards: int) -> int:
+    """The priced size of one staged shard (run.mode=emulate prices the profile's model)."""
+    return job.cost.shard_bytes(shards) if job.cost else 0
 
 
 def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: int) -> ShardState | None:
@@ -250,15 +274,15 @@ def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: 
 def colocated_release(job, it: int) -> None:
     """Colocated: every rank frees its engine before training (a switch every iteration)."""
     plan = Plan(job, it, job.table, job.table)
-    with plan.op("release"):
+    with plan.op("release", price={"release_mode": job.cfg.rollout.release}):
         job.engine.release()
 
 
 def colocated_restore(job, it: int) -> None:
     """Colocated: restore the engine after training and load the new weights (held locally)."""
     plan = Plan(job, it, job.table, job.table)
-    with plan.op("engine_start"):
+    with plan.op("engine_start", price={"restore": True, "release_mode": job.cfg.rollout.release}):
         job.engine.restore()
-    with plan.op("weight_load") as ev:
+    with plan.op("weight_load", price={"nbytes": job.cost.weight_bytes if job.cost else 0}) as ev:
         job.engine.load_weights(job.layout.views(job.trainer.flat))
         ev["bytes"] = job.layout.numel * 4

@@ -2,8 +2,11 @@
 
 Every train rank holds the full model (its parameters are views into one flat vector) and the
 optimizer state of one contiguous range of that vector only. A step:
-1. each rank runs forward/backward on its micro-batches (micro-batch j goes to train rank j mod k)
-   and accumulates gradients into a flat buffer in `grad_reduce_dtype`;
+1. the batch, sorted by sample index, is cut into micro-batches of `micro_batch_size` samples
+   (fixed composition), spread over the train ranks by token count
+   (`placement.assign_micro_batches`); each rank runs forward/backward on its own and accumulates
+   gradients into a flat buffer in `grad_reduce_dtype` (with `recompute_logprobs`, the PPO ratio
+   uses old log-probs recomputed from the rank's weights instead of the rollout engine's);
 2. the train group sums the buffers (all-reduce; float64 by default, so the sum does not depend on
    how many ranks contributed), and the global gradient norm is clipped;
 3. each rank steps `torch.optim.AdamW` on its own range, then the ranges are all-gathered back
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from .config import TrainerConfig
 from .flat import FlatLayout, bind_model_to_flat, shard_range
 from .model import PAD_ID, trainable_parameters
+from .placement import assign_micro_batches
 
 REDUCE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -35,7 +39,7 @@ class Sample:
     prompt_tokens: list[int]
     response: list[int]
     logprobs: list[float]
-    length_cap: int
+    length_cap: int                # the hidden response length the workload gave it (see shapes.py)
     reward: float
 
 
@@ -61,6 +65,11 @@ def group_advantages(samples: list[Sample]) -> dict[int, float]:
         normed = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
         adv.update({s.index: float(a) for s, a in zip(group, normed)})
     return adv
+
+
+def micro_batch_tokens(mb: list[Sample]) -> int:
+    """Tokens a micro-batch runs through the model (prompt and response): its share of the work."""
+    return sum(len(s.prompt_tokens) + len(s.response) for s in mb)
 
 
 class ShardedTrainer:
@@ -140,26 +149,36 @@ class ShardedTrainer:
         self.apply_gradient(grad)
         return info
 
-    def compute_gradient(self, samples: list[Sample]) -> tuple[torch.Tensor, dict]:
-        """The clipped gradient of the whole batch, summed over the train group (same on every rank)."""
+    def micro_batches(self, samples: list[Sample]) -> tuple[list[list[Sample]], list[int]]:
+        """The micro-batches of the batch (index order, `micro_batch_size` samples each) and the
+        train rank (0..k-1) that computes each one."""
         samples = sorted(samples, key=lambda s: s.index)
         mbs = self.cfg.micro_batch_size
         micro_batches = [samples[i:i + mbs] for i in range(0, len(samples), mbs)]
-        mine = micro_batches[self.index::len(self.group_ranks)]
+        owners = assign_micro_batches([micro_batch_tokens(mb) for mb in micro_batches], len(self.group_ranks))
+        return micro_batches, owners.tolist()
+
+    def compute_gradient(self, samples: list[Sample]) -> tuple[torch.Tensor, dict]:
+        """The clipped gradient of the whole batch, summed over the train group (same on every rank)."""
+        micro_batches, owners = self.micro_batches(samples)
+        mine = [mb for mb, owner in zip(micro_batches, owners) if owner == self.index]
         advantages = group_advantages(samples)
         total_tokens = sum(len(s.response) for s in samples)
+        # verl's old_log_prob pass: behaviour log-probs from the weights about to be updated, not
+        # the engine's. Each depends on its micro-batch and the weights only (split-invariant).
+        old_logps = [self._old_logprobs(mb) if self.cfg.recompute_logprobs else None for mb in mine]
 
         grad = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
         loss_sum, trained_tokens = 0.0, 0
-        for mb in mine:
-            loss = self._micro_batch_loss(mb, advantages, total_tokens)
+        for mb, old_logp in zip(mine, old_logps):
+            loss = self._micro_batch_loss(mb, advantages, total_tokens, old_logp)
             loss.backward()
             for (_, view), (_, p) in zip(self.layout.views(grad), trainable_parameters(self.model)):
                 if p.grad is not None:
                     view.add_(p.grad.to(self.reduce_dtype))
                     p.grad = None
             loss_sum += float(loss.detach())
-            trained_tokens += sum(len(s.prompt_tokens) + len(s.response) for s in mb)
+            trained_tokens += micro_batch_tokens(mb)
 
         if len(self.group_ranks) > 1:
             dist.all_reduce(grad, group=self.group)
@@ -178,23 +197,38 @@ class ShardedTrainer:
         master.grad = None
         self._gather_flat()
 
-    def _micro_batch_loss(self, mb: list[Sample], advantages: dict[int, float], total_tokens: int):
+    def _pad(self, mb: list[Sample]):
+        """A micro-batch as padded tensors: token ids and attention mask [n, width], and the
+        response mask and the engine's log-probs [n, width - 1], aligned with `_token_logprobs`."""
         seqs = [s.prompt_tokens + s.response for s in mb]
         width = max(len(q) for q in seqs)
         ids = torch.full((len(mb), width), PAD_ID, dtype=torch.long, device=self.device)
         mask = torch.zeros((len(mb), width), dtype=torch.bool, device=self.device)
-        old_logp = torch.zeros((len(mb), width), device=self.device)
-        adv = torch.tensor([advantages[s.index] for s in mb], device=self.device).unsqueeze(1)
+        engine_logp = torch.zeros((len(mb), width), device=self.device)
         for row, s in enumerate(mb):
             q, p, r = seqs[row], len(s.prompt_tokens), len(s.response)
             ids[row, :len(q)] = torch.tensor(q)
             mask[row, p:p + r] = True              # loss on response tokens only
-            old_logp[row, p:p + r] = torch.tensor(s.logprobs)
+            engine_logp[row, p:p + r] = torch.tensor(s.logprobs)
         attention = (torch.arange(width, device=self.device)[None, :] <
                      torch.tensor([len(q) for q in seqs], device=self.device)[:, None]).long()
-        logp = self._token_logprobs(self.model, ids, attention)
         # Position t predicts token t+1: shift the mask and the behaviour logprobs to match.
-        mask, old_logp = mask[:, 1:], old_logp[:, 1:]
+        return ids, attention, mask[:, 1:], engine_logp[:, 1:]
+
+    @torch.no_grad()
+    def _old_logprobs(self, mb: list[Sample]) -> torch.Tensor:
+        """The behaviour log-probs of `mb` under the current weights (same shapes as the loss pass)."""
+        ids, attention, _, _ = self._pad(mb)
+        return self._token_logprobs(self.model, ids, attention)
+
+    def _micro_batch_loss(self, mb: list[Sample], advantages: dict[int, float], total_tokens: int,
+                          old_logp: torch.Tensor | None = None):
+        """This micro-batch's share of the batch loss; `old_logp` (from `_old_logprobs`) replaces
+        the engine's behaviour log-probs when given."""
+        ids, attention, mask, engine_logp = self._pad(mb)
+        old_logp = engine_logp if old_logp is None else old_logp
+        adv = torch.tensor([advantages[s.index] for s in mb], device=self.device).unsqueeze(1)
+        logp = self._token_logprobs(self.model, ids, attention)
         ratio = torch.exp(logp - old_logp)
         clipped = torch.clamp(ratio, 1 - self.cfg.clip_ratio, 1 + self.cfg.clip_ratio)
         per_token = -torch.minimum(ratio * adv, clipped * adv)

@@ -1,15 +1,13 @@
-"""A verifiable synthetic task with a rule-based reward and long-tailed, drifting response lengths.
+"""A verifiable synthetic task with a rule-based reward, on batches shaped like RL post-training's.
 
 Prompts are digit strings ("<bos>4 7 1 9=") and the answer is a rule of them (reversed, sorted, or
 the sum of two numbers) followed by <eos>. The reward is the fraction of answer positions the
 response gets right, so a random policy already earns some and GRPO has a signal.
 
-Each prompt carries a response-length cap drawn from a log-normal distribution whose median grows
-with the batch index. It stands in for the reasoning length of real RL post-training: long-tailed
-(a few samples take many times the median) and drifting (responses grow as training proceeds).
-Default shape (median 16, sigma 0.8, +5 % per iteration): p99 / median = exp(2.326 * 0.8) ~ 6.4,
-in the range reported for RL post-training length distributions (p99 about 10x the median in verl
-issue reports); scale it with workload.length_sigma.
+How many prompts a batch has, how long they are and where each sample's response ends come from
+dynaresize.shapes (one pure function, shared with the simulator): long-tailed, drifting hidden
+response lengths stand in for the reasoning lengths of real RL post-training. An optional
+instruction context (random digits before the question) gives prompts a realistic length spread.
 
 Everything here is a pure function of (seed, batch index, prompt index, sample index): where or by
 how many ranks a batch is generated never changes it.
@@ -23,32 +21,30 @@ import numpy as np
 
 from .config import WorkloadConfig
 from .model import BOS_ID, CHARS, EOS_ID
+from .shapes import batch_shape, keyed_rng
 
 DIGIT_IDS = [3 + CHARS.index(d) for d in "0123456789"]
 EQUALS_ID = 3 + CHARS.index("=")
 PLUS_ID = 3 + CHARS.index("+")
+_TOKEN_STREAM = 0x746F6B              # "tok": the digit values of a batch's prompts
 
 
 @dataclass(frozen=True)
 class Prompt:
-    index: int             # position in the batch
+    index: int                     # position in the batch
     tokens: tuple[int, ...]
-    answer: tuple[int, ...]   # expected response, ending in <eos>
-    length_cap: int        # most response tokens a sample of this prompt may generate
+    answer: tuple[int, ...]        # expected response, ending in <eos>
+    response_lens: tuple[int, ...]  # hidden: where each sample's response ends (engines stop there)
 
 
-def _rng(*key: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([abs(int(k)) for k in key]))
-
-
-def make_batch(cfg: WorkloadConfig, seed: int, batch: int, num_prompts: int) -> list[Prompt]:
-    rng = _rng(seed, batch, 0x70726F6D)
-    median = cfg.length_median * (1.0 + cfg.length_growth) ** batch
-    caps = np.clip(np.round(rng.lognormal(np.log(median), cfg.length_sigma, num_prompts)),
-                   cfg.length_min, cfg.length_max).astype(int)
+def make_batch(cfg: WorkloadConfig, seed: int, batch: int, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
+    """The prompts of batch `batch`: `num_prompts` trained ones, more when over-sampling."""
+    shape = batch_shape(cfg, seed, batch, num_prompts, samples_per_prompt)
+    rng = keyed_rng(seed, batch, _TOKEN_STREAM)
     prompts = []
-    for i in range(num_prompts):
-        n = int(rng.integers(cfg.digits_min, cfg.digits_max + 1))
+    for i in range(shape.prompts):
+        n = int(shape.digits[i])
+        context = [DIGIT_IDS[d] for d in rng.integers(0, 10, int(shape.context_lens[i]))]
         digits = [int(d) for d in rng.integers(0, 10, n)]
         if cfg.task == "add":
             split = max(1, n // 2)
@@ -59,14 +55,15 @@ def make_batch(cfg: WorkloadConfig, seed: int, batch: int, num_prompts: int) -> 
         else:
             question = [DIGIT_IDS[d] for d in digits]
             answer = [DIGIT_IDS[d] for d in (digits[::-1] if cfg.task == "reverse" else sorted(digits))]
-        prompts.append(Prompt(index=i, tokens=(BOS_ID, *question, EQUALS_ID),
-                              answer=(*answer, EOS_ID), length_cap=int(caps[i])))
+        prompts.append(Prompt(index=i, tokens=(BOS_ID, *context, *question, EQUALS_ID),
+                              answer=(*answer, EOS_ID),
+                              response_lens=tuple(int(x) for x in shape.response_lens[i])))
     return prompts
 
 
 def sample_seed(seed: int, batch: int, prompt: int, sample: int) -> int:
     """The RNG seed of one sample: a function of its identity only, never of its placement."""
-    return int(_rng(seed, batch, prompt, sample).integers(0, 2**62))
+    return int(keyed_rng(seed, batch, prompt, sample).integers(0, 2**62))
 
 
 def reward(prompt: Prompt, response: list[int]) -> float:

@@ -6,6 +6,7 @@ weights it needs, so the tests do not depend on their order and share one engine
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -46,17 +47,24 @@ def initial(checkpoint) -> list[tuple[str, torch.Tensor]]:
 
 
 def prompts(n: int = 6, batch: int = 0) -> list[Prompt]:
-    return make_batch(WorkloadConfig(), 1234, batch, n)
+    return make_batch(WorkloadConfig(), 1234, batch, n, 1)
 
 
-def long_prompt(index: int = 99, digits: int = 150, cap: int = 24) -> Prompt:
+def cap(p: Prompt) -> int:
+    """The most tokens any sample of `p` may generate."""
+    return max(p.response_lens)
+
+
+def long_prompt(index: int = 99, digits: int = 150, length: int = 24) -> Prompt:
     """Longer than one KV-cache block: a stale prefix cache would show after a weight update."""
     g = torch.Generator().manual_seed(index)
     body = [DIGIT_IDS[int(d)] for d in torch.randint(0, 10, (digits,), generator=g)]
-    return Prompt(index, (BOS_ID, *body, EQUALS_ID), (EOS_ID,), cap)
+    return Prompt(index, (BOS_ID, *body, EQUALS_ID), (EOS_ID,), (length,))
 
 
 def group(prompt: Prompt, seeds=(11, 12, 13)) -> GroupRequest:
+    """A request of len(seeds) samples, each allowed the prompt's longest hidden length."""
+    prompt = dataclasses.replace(prompt, response_lens=(cap(prompt),) * len(seeds))
     return GroupRequest(prompt, tuple(seeds), first_index=0)
 
 
@@ -73,7 +81,7 @@ def perturbed(initial, checkpoint) -> tuple[list[tuple[str, torch.Tensor]], obje
     model = load_model(checkpoint)
     model.load_state_dict(new, strict=False)
     p = prompts()[0]                                   # the first prompt of the batch tested
-    tokens, _ = hf_greedy(model, list(p.tokens), p.length_cap)
+    tokens, _ = hf_greedy(model, list(p.tokens), cap(p))
     k = min(3, len(tokens) - 1)
     if EOS_ID not in tokens[:k + 1]:
         with torch.no_grad():
@@ -98,10 +106,10 @@ def test_generate_with_per_sample_seeds(engine, initial):
     assert len(out) == len(requests) and all(len(grp) == 4 for grp in out)
     for p, grp in zip(batch, out):
         for g in grp:
-            assert 1 <= len(g.tokens) <= p.length_cap and len(g.logprobs) == len(g.tokens)
+            assert 1 <= len(g.tokens) <= cap(p) and len(g.logprobs) == len(g.tokens)
             assert all(lp <= 0 for lp in g.logprobs)
             assert EOS_ID not in g.tokens[:-1], "a response goes on after <eos>"
-            assert g.tokens[-1] == EOS_ID or len(g.tokens) == p.length_cap, "stopped before <eos> or the cap"
+            assert g.tokens[-1] == EOS_ID or len(g.tokens) == cap(p), "stopped before <eos> or the cap"
         # Same seed, same sample (logprobs up to rounding: rows of one batch may round differently).
         assert grp[0].tokens == grp[2].tokens, "same seed, different tokens"
         assert max(abs(x - y) for x, y in zip(grp[0].logprobs, grp[2].logprobs)) < 1e-5
@@ -110,6 +118,20 @@ def test_generate_with_per_sample_seeds(engine, initial):
     assert as_lists(engine.generate(requests, 1.0)) == as_lists(out), "not reproducible"
     greedy = engine.generate([group(batch[0], seeds=(1, 2))], 0.0)[0]
     assert greedy[0].tokens == greedy[1].tokens, "temperature 0 must not depend on the seed"
+
+
+@pytest.mark.timeout(300)
+def test_each_sample_stops_at_its_hidden_length(engine, initial):
+    """A sample ends at <eos> or at its own hidden length (the workload's), whichever comes first;
+    the same seed with a longer limit continues the same tokens."""
+    engine.load_weights(initial)
+    p = dataclasses.replace(long_prompt(), response_lens=(3, 9, 6, 9))
+    out = engine.generate([GroupRequest(p, (5, 5, 6, 6), first_index=0)], 1.0)[0]
+    for g, limit in zip(out, p.response_lens):
+        assert 1 <= len(g.tokens) <= limit
+        assert g.tokens[-1] == EOS_ID or len(g.tokens) == limit
+    assert out[0].tokens == out[1].tokens[:len(out[0].tokens)]          # seed 5: a prefix of itself
+    assert out[2].tokens == out[3].tokens[:len(out[2].tokens)]          # seed 6
 
 
 @pytest.mark.timeout(300)
@@ -138,12 +160,12 @@ def test_new_weights_give_the_new_models_greedy_output(engine, initial, checkpoi
     after = engine.generate(requests, 0.0)
     ended_at_eos = changed = 0
     for p, old, grp in zip(batch, before, after):
-        want, want_logprobs = hf_greedy(model, list(p.tokens), p.length_cap)
+        want, want_logprobs = hf_greedy(model, list(p.tokens), cap(p))
         for g in grp:
             assert g.tokens == want, f"prompt {p.index}: engine {g.tokens} != Hugging Face {want}"
             assert max(abs(x - y) for x, y in zip(g.logprobs, want_logprobs)) < 1e-3
         changed += old[0].tokens != want
-        ended_at_eos += want[-1] == EOS_ID and len(want) < p.length_cap
+        ended_at_eos += want[-1] == EOS_ID and len(want) < cap(p)
     assert before[-1][0].tokens != after[-1][0].tokens, "the long prompt's output did not change"
     assert changed > len(batch) // 2, "the new weights changed too few outputs to tell them apart"
     assert ended_at_eos >= 1, "no response ended at <eos>: the test would not cover stopping"

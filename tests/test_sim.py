@@ -15,7 +15,6 @@ import yaml
 from dynaresize.config import ConfigError, WorkloadConfig
 from dynaresize.costmodel import CostModel
 from dynaresize.sim import Simulator, compose, prepare, setup_from_overrides, simulate
-from dynaresize.sim.workload import batch_caps, exact_prompt_lens, place, placement_lists
 from dynaresize.timeline import schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,24 +38,26 @@ def events(data, name=None, it=None):
     return ev
 
 
-# --- the runtime's workload and placement, fast ------------------------------------------------
+# --- the runtime's workload and placement ------------------------------------------------------
 
-def test_caps_and_prompts_are_make_batchs():
+def test_simulated_samples_are_the_runtimes_batches(tmp_path):
+    """The samples a simulation records are make_batch's prompts and hidden response lengths, on the
+    ranks placement.place_prompts gives them (one implementation for both)."""
+    from dynaresize.placement import place_prompts
     from dynaresize.workload import make_batch
-    for w in (WorkloadConfig(), WorkloadConfig(task="add", length_sigma=1.3, length_growth=0.2)):
-        for b in (0, 3, 17):
-            prompts = make_batch(w, 99, b, 37)
-            assert batch_caps(w, 99, b, 37).tolist() == [p.length_cap for p in prompts]
-            assert exact_prompt_lens(w, 99, b, 37).tolist() == [len(p.tokens) for p in prompts]
-
-
-def test_placement_is_place_groups():
-    from dynaresize.rollout.base import place_groups
-    rng = np.random.default_rng(0)
-    for trial in range(400):
-        n, ranks = int(rng.integers(0, 70)), int(rng.integers(1, 24))
-        caps = rng.integers(0 if trial % 4 == 0 else 1, 40, n)
-        assert placement_lists(place(caps, ranks), ranks) == place_groups(caps.tolist(), ranks)
+    over = ["run.iterations=3", "rollout.prompts_per_batch=10", "workload.sample_sigma=0.4",
+            "workload.prompt_median=20", "workload.prompt_sigma=0.5", "workload.prompt_max=40",
+            "model.max_position=300"]
+    setup = setup_from_overrides(over)
+    s = read(simulate(setup, tmp_path / "w"))[1]["samples"]
+    cfg = setup.cfg
+    for b in range(3):
+        mine = s[s["batch"] == b]
+        prompts = make_batch(cfg.workload, cfg.run.seed, b, 10, cfg.rollout.samples_per_prompt)
+        assert mine["prompt_len"].tolist() == [len(p.tokens) for p in prompts for _ in p.response_lens]
+        assert mine["response_len"].tolist() == [n for p in prompts for n in p.response_lens]
+        ranks = place_prompts([len(p.tokens) for p in prompts], 2) + 2           # 2 train, 2 rollout ranks
+        assert mine["rank"].tolist() == [int(r) for r in ranks for _ in range(cfg.rollout.samples_per_prompt)]
 
 
 # --- the timeline -------------------------------------------------------------------------------
@@ -85,6 +86,7 @@ def test_default_config_simulates_and_passes_through_analysis(tmp_path):
     assert len(data["decisions"]) == 9 and m["tokens"] > 0
     s = data["samples"]
     assert (s["response_len"] == s["length_cap"]).all() and (s["reward"] == 0).all() and (s["digest"] == 0).all()
+    assert attrs["samples_recorded"]
     assert len(s) == 8 * 8 * 4
     # starts and ends are ordered, every event lies inside its iteration
     ev = events(data)
@@ -246,25 +248,38 @@ def test_1024_ranks_50_iterations(tmp_path):
     print(f"1024 ranks x 50 iterations: {wall:.2f} s, {len(data['events'])} events")
 
 
-def test_sweep_multirun_and_compare(tmp_path):
-    """The seed comparison's sweep (every static split, dynamic, colocated, oracle) as Hydra
-    multiruns of the simulator at 16 ranks, then `analysis.cli compare` prints the table and ratios."""
-    out = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "dynaresize.sim.experiment", "seed_comparison", "--ranks", "16", "--out", str(out),
-           "run.iterations=8", "sim.units=4", "sim.train_units=2", "sim.prompts_per_rank=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+def test_suite_writes_the_table_for_each_workload(tmp_path):
+    """`dynaresize-sim suite` at a small size: every row for every workload, the hindsight-best static
+    split as the reference, the oracle at least as fast as every static split (free switching,
+    exact prediction) and the bound above the oracle; CSV, Markdown and PNG per workload."""
+    import pandas as pd
+    out = tmp_path / "suite"
+    cmd = [sys.executable, "-m", "dynaresize.sim.cli", "suite", "--ranks", "16", "--workloads", "stationary,dapo",
+           "--out", str(out), "--jobs", "2", "--keep", "all", "run.iterations=8", "sim.units=4",
+           "sim.prompts_per_rank=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "throughput dynamic / best static" in proc.stdout and "hidden share" in proc.stdout
-    runs = sorted(p.name for p in out.iterdir() if (p / "timeline.h5").exists())
-    assert runs == sorted(["static_1", "static_2", "static_3", "dynamic", "colocated", "oracle"])
-    proc = subprocess.run([sys.executable, "-m", "analysis.cli", "compare", str(out)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    table = proc.stdout.split("\n\n")[0].splitlines()
-    assert len(table) == 1 + len(runs)                    # a header and one row per run
-    for name in runs:
-        assert any(line.split()[0] == name for line in table[1:])
-    assert "dynamic/best static throughput: " in proc.stdout and "dynamic/oracle throughput: " in proc.stdout
-    for line in proc.stdout.splitlines():
-        if line.startswith(("dynamic/best static throughput", "dynamic/oracle throughput")):
-            assert float(line.split(":")[1].split()[0]) > 0
+    assert "[suite] h100    16 ranks  stationary" in proc.stdout
+    for w in ("stationary", "dapo"):
+        folder = out / "h100-16" / w
+        assert {"table.csv", "table.md", "table.png"} <= {p.name for p in folder.iterdir()}
+        df = pd.read_csv(folder / "table.csv").set_index("row")
+        assert list(df.index) == ["static, hindsight-best", "static, pilot", "colocated", "dynamic", "oracle", "bound"]
+        x = df["throughput_x"]
+        assert x["static, hindsight-best"] == 1.0 and x["static, pilot"] <= 1.0
+        assert x["oracle"] >= 1.0 - 1e-9 and x["bound"] > x["oracle"]
+        assert df.loc["colocated", "critical_switch_s"] > 0 and 0 < df.loc["dynamic", "busy_share"] <= 1
+        runs = sorted(p.name for p in (folder / "runs").iterdir())
+        assert runs == sorted(["static_01", "static_02", "static_03", "dynamic", "colocated", "oracle"])
+    summary = pd.read_csv(out / "summary.csv")
+    assert len(summary) == 2 and (summary["static, hindsight-best"] == 1.0).all()
+    # by default only the timelines of the table's runs stay
+    kept = tmp_path / "kept"
+    proc = subprocess.run(cmd[:cmd.index("--out")] + ["--out", str(kept)] + cmd[cmd.index("--jobs"):cmd.index("--keep")]
+                          + cmd[cmd.index("--keep") + 2:], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = pd.read_csv(kept / "h100-16" / "stationary" / "table.csv")
+    assert {p.name for p in (kept / "h100-16" / "stationary" / "runs").iterdir()} == set(table["run"]) - {"-"}
+    bad = subprocess.run([sys.executable, "-m", "dynaresize.sim.cli", "suite", "--workloads", "nope"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and "unknown ['nope']" in bad.stderr

@@ -1,15 +1,18 @@
 """Unit tests of the pieces that need no MPI: roles, placement, workload, sampling, config."""
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
-from dynaresize.config import ConfigError, load_config
+from dynaresize.config import ConfigError, WorkloadConfig, load_config
+from dynaresize.placement import place_prompts, placement_lists
 from dynaresize.roles import Role, RoleTable
-from dynaresize.rollout.base import place_groups
 from dynaresize.rollout.torch_engine import sample_token
+from dynaresize.shapes import batch_shape, generated_prompts, response_cap
 from dynaresize.workload import make_batch, reward, sample_seed
-from dynaresize.config import WorkloadConfig
 
 
 def test_role_table_blocks_and_validation():
@@ -24,30 +27,75 @@ def test_role_table_blocks_and_validation():
     assert c.colocated_mode and c.train_ranks() == c.rollout_ranks() == [0, 1, 2]
 
 
-def test_place_groups_balances_longest_first_and_covers_all():
-    caps = [90, 10, 10, 10, 40, 40, 5, 5]
-    placed = place_groups(caps, 3)
+def test_placement_spreads_groups_by_prompt_length_and_covers_all():
+    plens = [90, 10, 10, 10, 40, 40, 5, 5]
+    placed = placement_lists(place_prompts(plens, 3), 3)
     assert sorted(i for p in placed for i in p) == list(range(8))
-    loads = [sum(caps[i] for i in p) for p in placed]
-    assert max(loads) == 90                      # the longest prompt alone sets the floor
-    assert place_groups(caps, 3) == placed       # deterministic
+    assert sorted(len(p) for p in placed) == [2, 3, 3]           # counts within one
+    loads = [sum(plens[i] for i in p) for p in placed]
+    assert max(loads) - min(loads) <= max(plens)
+    assert placement_lists(place_prompts(plens, 3), 3) == placed  # deterministic
+
+
+def test_placement_never_reads_the_hidden_response_lengths():
+    """Permuting the hidden response lengths among the prompts of a batch changes no placement:
+    the runtime's (job.rollout) and the simulator's placement see prompt lengths only."""
+    w = WorkloadConfig(prompt_median=40, prompt_sigma=0.5, prompt_max=100, sample_sigma=0.5)
+    prompts = make_batch(w, 3, 5, 24, 4)
+    rng = np.random.default_rng(0)
+    shuffled = [dataclasses.replace(p, response_lens=prompts[j].response_lens)
+                for p, j in zip(prompts, rng.permutation(len(prompts)))]
+    assert [p.response_lens for p in shuffled] != [p.response_lens for p in prompts]
+    for ranks in (1, 3, 7):
+        a = place_prompts([len(p.tokens) for p in prompts], ranks)
+        b = place_prompts([len(p.tokens) for p in shuffled], ranks)
+        assert (a == b).all()
 
 
 def test_workload_is_a_pure_function_of_seed_and_batch():
-    cfg = WorkloadConfig()
-    a, b = make_batch(cfg, 7, 3, 16), make_batch(cfg, 7, 3, 16)
-    assert a == b and make_batch(cfg, 7, 4, 16) != a
-    caps = [p.length_cap for p in make_batch(cfg, 7, 0, 2000)]
-    assert cfg.length_min <= min(caps) and max(caps) <= cfg.length_max
-    median = sorted(caps)[len(caps) // 2]
-    assert abs(median - cfg.length_median) <= 2
-    late = [p.length_cap for p in make_batch(cfg, 7, 20, 2000)]
-    assert sorted(late)[1000] > median           # lengths drift upward with the batch index
+    cfg = WorkloadConfig(sample_sigma=0.3)
+    a, b = make_batch(cfg, 7, 3, 16, 4), make_batch(cfg, 7, 3, 16, 4)
+    assert a == b and make_batch(cfg, 7, 4, 16, 4) != a
+    lens = np.array([p.response_lens for p in make_batch(cfg, 7, 0, 2000, 4)])
+    assert cfg.length_min <= lens.min() and lens.max() <= cfg.length_max
+    assert abs(np.median(lens) - cfg.length_median) <= 2
+    assert (lens.std(axis=1) > 0).mean() > 0.9               # the samples of a group differ in length
+    late = np.array([p.response_lens for p in make_batch(cfg, 7, 20, 2000, 4)])
+    assert np.median(late) > np.median(lens)                  # lengths drift upward with the batch index
     assert sample_seed(1, 2, 3, 4) == sample_seed(1, 2, 3, 4) != sample_seed(1, 2, 3, 5)
+    # the prompts are the shape's: the simulator prices exactly what the runtime generates
+    shape = batch_shape(cfg, 7, 3, 16, 4)
+    assert [len(p.tokens) for p in a] == shape.prompt_lens.tolist()
+    assert [list(p.response_lens) for p in a] == shape.response_lens.tolist()
+
+
+def test_workload_schedules_oversampling_and_mixtures():
+    w = WorkloadConfig(length_median=500, length_max=1000, length_max_schedule=[[0, 1000], [5, 3000]],
+                       oversample=[[0, 1.5], [10, 3.0]], prompt_median=50, prompt_sigma=0.3, prompt_max=80,
+                       mixture=[{"length_median": 2000}, {"length_median": 50, "prompt_median": 10}],
+                       mixture_block=2)
+    assert [response_cap(w, b) for b in (0, 4, 5, 99)] == [1000, 1000, 3000, 3000]
+    assert [generated_prompts(w, b, 10) for b in (0, 10, 20)] == [15, 30, 30]
+    s0, s2, s6 = (batch_shape(w, 1, b, 10, 4) for b in (0, 2, 6))
+    assert s0.prompts == 15 and s0.trained_prompts == 10
+    assert s0.response_lens.max() <= 1000 and (s0.response_lens == 1000).mean() > 0.5   # cut at the cap
+    assert np.median(s2.response_lens) < 100 and np.median(s6.response_lens) < 100       # the short task
+    assert s6.response_lens.max() <= 3000 and np.median(s0.prompt_lens) > np.median(s2.prompt_lens)
+    assert 0 < s0.prompt_lens.min() and s0.prompt_lens.max() <= 80 + 8 + 2
+
+
+def test_workload_validation_names_the_field():
+    for bad, field in (({"oversample": [[0, 0.5]]}, "workload.oversample"),
+                       ({"length_max_schedule": [[5, 100], [2, 200]]}, "workload.length_max_schedule"),
+                       ({"mixture": [{"length_mean": 3}]}, "workload.mixture[0]"),
+                       ({"prompt_median": 10.0}, "workload.prompt_max"),
+                       ({"length_max_schedule": [[0, 96], [3, 400]]}, "model.max_position")):
+        with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            load_config({"workload": bad})
 
 
 def test_reward_is_fraction_of_answer_positions():
-    p = make_batch(WorkloadConfig(task="reverse"), 0, 0, 1)[0]
+    p = make_batch(WorkloadConfig(task="reverse"), 0, 0, 1, 2)[0]
     assert reward(p, list(p.answer)) == 1.0
     assert reward(p, []) == 0.0
     half = list(p.answer[: len(p.answer) // 2])

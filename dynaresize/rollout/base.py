@@ -1,4 +1,4 @@
-"""The rollout engine interface and the placement of prompt groups on rollout ranks.
+"""The rollout engine interface (placement of prompt groups on ranks: dynaresize.placement).
 
 An engine generates samples for prompt groups with one RNG seed per sample, takes new weights in
 place, and releases / restores its memory when its rank changes role. Engines must be placement
@@ -26,7 +26,7 @@ class GroupRequest:
 
 @dataclass
 class Generation:
-    """What the engine produced for one sample (response ends at <eos> or the length cap)."""
+    """What the engine produced for one sample (response ends at <eos> or its hidden length)."""
     tokens: list[int]
     logprobs: list[float]        # behaviour-policy log-probabilities of `tokens`
 
@@ -51,23 +51,6 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         ...
-
-
-def place_groups(length_caps: list[int], ranks: int) -> list[list[int]]:
-    """Assign prompt groups to `ranks` rollout ranks, longest first onto the least-loaded rank.
-
-    A rank's decode time is set by the work it gets, so balancing by length cap shortens the
-    stage. The result depends only on the caps and the rank count; which rank runs a group never
-    changes its tokens.
-    """
-    order = sorted(range(len(length_caps)), key=lambda i: (-length_caps[i], i))
-    load = [0] * ranks
-    placed: list[list[int]] = [[] for _ in range(ranks)]
-    for i in order:
-        r = min(range(ranks), key=lambda j: (load[j], j))
-        placed[r].append(i)
-        load[r] += length_caps[i]
-    return [sorted(p) for p in placed]
 
 
 def make_engine(cfg: RolloutConfig, checkpoint: str, dtype: str, device: str, seed: int) -> RolloutEngine:

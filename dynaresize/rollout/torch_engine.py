@@ -53,7 +53,10 @@ class TorchEngine:
         return [self._generate_group(req, temperature) for req in requests]
 
     def _generate_group(self, req: GroupRequest, temperature: float) -> list[Generation]:
+        """Sample every row of the group together; row j stops at <eos> (unless ignore_eos) or at
+        its hidden length req.prompt.response_lens[j], where the workload ends it."""
         rows = len(req.seeds)
+        limits = req.prompt.response_lens
         generators = [torch.Generator().manual_seed(s) for s in req.seeds]
         input_ids = torch.tensor([req.prompt.tokens] * rows, device=self.device)
         out = self.model(input_ids=input_ids, use_cache=True)
@@ -61,7 +64,7 @@ class TorchEngine:
         tokens = [[] for _ in range(rows)]
         logprobs = [[] for _ in range(rows)]
         done = [False] * rows
-        for _ in range(req.prompt.length_cap):
+        for _ in range(max(limits)):
             next_ids = []
             logits = out.logits[:, -1, :].float()
             for row in range(rows):
@@ -69,7 +72,7 @@ class TorchEngine:
                 if not done[row]:
                     tokens[row].append(token)
                     logprobs[row].append(logprob)
-                    done[row] = token == EOS_ID and not self.ignore_eos
+                    done[row] = ((token == EOS_ID and not self.ignore_eos) or len(tokens[row]) >= limits[row])
                 next_ids.append(PAD_ID if done[row] else token)
             if all(done):
                 break

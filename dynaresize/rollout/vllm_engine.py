@@ -9,7 +9,7 @@ job's world. (The in-process `uni` executor would reuse the job's world and hang
   tokens depend on (seed, weights, prompt) only and placement invariance holds as with the torch
   engine. Logprobs are the sampled tokens' (SamplingParams(logprobs=0)) after temperature
   scaling (`logprobs_mode="processed_logprobs"`), as the trainer computes them. A response ends
-  at <eos> (kept as its last token, like the torch engine) or at the prompt's length cap.
+  at <eos> (kept as its last token, like the torch engine) or at the sample's hidden length.
 - Weight updates: in place, without restarting the engine. The new weights reach vLLM's worker
   process through a method of `WorkerExtension` (mixed into vLLM's worker class) called with
   `collective_rpc`: on CPU as a safetensors file in a private temporary directory (in /dev/shm
@@ -181,10 +181,10 @@ class VLLMEngine:
 
         prompts, params = [], []
         for req in requests:
-            for seed in req.seeds:
+            for seed, length in zip(req.seeds, req.prompt.response_lens):
                 prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt.tokens)))
                 params.append(SamplingParams(n=1, temperature=temperature, seed=seed,
-                                             max_tokens=req.prompt.length_cap, logprobs=0,
+                                             max_tokens=length, logprobs=0,
                                              stop_token_ids=[EOS_ID], detokenize=False,
                                              ignore_eos=self.cfg.ignore_eos))
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

@@ -3,6 +3,7 @@
     python -m dynaresize.sim.cli cluster.ranks=1024 run.iterations=1000 rollout.prompts_per_batch=2048
     python -m dynaresize.sim.cli +hardware=h100 policy=dynamic ...
     python -m dynaresize.sim.cli -m +experiment=seed_comparison cluster.ranks=64 policy=static 'sim.train_units=range(1,32)'
+    dynaresize-sim suite --ranks 64 256 --hardware h100 h200      # the comparison suite (sim/suite.py)
 
 It composes conf/ (the runtime's schema plus `hardware` and `sim`, see dynaresize.sim.config),
 runs the discrete-event simulation (dynaresize.sim.core) and writes RUN_DIR/timeline.h5 in the
@@ -27,7 +28,7 @@ from ..cli import CONF_DIR  # noqa: E402  (after the schema: dynaresize.cli regi
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
-def main(raw: DictConfig) -> None:
+def simulate_job(raw: DictConfig) -> None:
     try:
         setup = prepare(raw)
     except ConfigError as e:
@@ -39,6 +40,14 @@ def main(raw: DictConfig) -> None:
     path = sim.run()
     print(f"[dynaresize-sim] {summary_line(path)}  ({sim.cm.describe()})\n[dynaresize-sim] timeline {path}",
           flush=True)
+
+
+def main() -> None:
+    """`dynaresize-sim suite ...` runs the comparison suite; anything else is one Hydra (multi)run."""
+    if len(sys.argv) > 1 and sys.argv[1] == "suite":
+        from .suite import main as suite_main
+        sys.exit(suite_main(sys.argv[2:]))
+    simulate_job()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ class SimOptions:
     prompts_per_rank: int = 0      # > 0: rollout.prompts_per_batch = prompts_per_rank x cluster.ranks
     units: int = 0                 # > 0: policy.resize_unit = cluster.ranks / units
     train_units: int = 0           # > 0: policy.train_ranks = train_units x policy.resize_unit
-    exact_prompts: str = "auto"    # prompt lengths from make_batch: yes | no | auto (small runs)
+    samples: str = "auto"          # one timeline row per sample: yes | no | auto (runs of up to 5M
+                                   # samples); without them the analysis counts tokens from rollout events
     flush_every: int = 64          # iterations buffered between timeline writes
     progress: bool = False         # print one line per iteration
 
@@ -74,8 +75,8 @@ def _options(raw: Any) -> SimOptions:
     errors = []
     if opts.noise < 0:
         errors.append(f"  sim.noise: is {opts.noise}. Fix: use 0 or a small positive relative std.")
-    if opts.exact_prompts not in ("auto", "yes", "no"):
-        errors.append(f"  sim.exact_prompts: unknown {opts.exact_prompts!r}. Fix: use auto, yes or no.")
+    if opts.samples not in ("auto", "yes", "no"):
+        errors.append(f"  sim.samples: unknown {opts.samples!r}. Fix: use auto, yes or no.")
     if opts.flush_every < 1:
         errors.append(f"  sim.flush_every: is {opts.flush_every}. Fix: use 1 or more.")
     for name in ("prompts_per_rank", "units", "train_units"):

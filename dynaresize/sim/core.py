@@ -6,7 +6,7 @@ simulation advances one iteration at a time with one clock per rank, as numpy ar
     switch (resize.py's plan: commit, release, stage_out, reshard, group_switch, engine_start,
             weight_load, stage_in; critical ops advance the rank's clock, background ones run
             beside it and whatever the rank has to wait for at the end is critical)
-    rollout   rollout ranks, prompt groups placed as place_groups places them
+    rollout   rollout ranks, prompt groups placed by placement.place_prompts (as the runtime)
     exchange  every rank, after rollout (max_lag 0) or after training (max_lag 1)
     train     train ranks: forward/backward on their micro-batches, then gradient all-reduce,
               optimizer step (waits for a pending stage_in) and parameter all-gather
@@ -14,9 +14,10 @@ simulation advances one iteration at a time with one clock per rank, as numpy ar
     end       background ops settled, gather, decide (the same policy objects as the runtime)
 
 Collectives end at the same time on every member (the last arrival plus the operation's cost).
-Responses run to their length cap (a random tiny model rarely emits <eos> early; on a GPU the cap
-stands for the response length). The output is a timeline in the runtime's schema, written with
-TimelineWriter, so `python -m analysis.cli` reads it unchanged. Deterministic: a function of the
+Batches are dynaresize.shapes' (the runtime's prompts and hidden response lengths; responses end
+at their hidden length, as the runtime's engines with rollout.ignore_eos). Placement is the
+runtime's (dynaresize.placement): it never reads a response's length. The output is a timeline in
+the runtime's schema, written with TimelineWriter, so `python -m analysis.cli` reads it unchanged. Deterministic: a function of the
 config (noise included, seeded by run.seed).
 """
 from __future__ import annotations
@@ -31,19 +32,20 @@ import numpy as np
 
 from .. import __version__
 from ..costmodel import CostModel
+from ..placement import assign_micro_batches, place_prompts
 from ..policy import Decision, IterationStats, make_policy
+from ..shapes import BatchShape, batch_shape
 from ..timeline import schema
 from ..timeline.writer import TimelineWriter
 from .config import SimSetup
 from .oracle import OraclePolicy
-from .workload import batch_caps, exact_prompt_lens, place, sampled_prompt_lens
 
 ROLE_CODES = {name: i for i, name in enumerate(schema.ROLES)}
 TRAIN, ROLLOUT, BOTH, NONE = (ROLE_CODES[r] for r in ("train", "rollout", "both", "none"))
 ROLE_BYTES = np.array([r.encode() for r in schema.ROLES], dtype="S8")
 NAME_CODES = {name: i for i, name in enumerate(schema.EVENT_NAMES)}
 NAME_BYTES = np.array([n.encode() for n in schema.EVENT_NAMES], dtype="S16")
-EXACT_PROMPTS_LIMIT = 50_000      # prompts per run up to which `exact_prompts: auto` builds them
+SAMPLE_ROWS_LIMIT = 5_000_000     # sim.samples=auto writes per-sample rows up to this many (220 MB)
 
 
 class EventBuffer:
@@ -109,10 +111,10 @@ class Simulator:
         self.out_dir = os.fspath(out_dir or cfg.run.output_dir or os.getcwd())
         self.noise = setup.options.noise
         self.rng = np.random.default_rng([abs(int(self.seed)), 0x6E6F6973])
-        mode = setup.options.exact_prompts
-        self.exact_prompts = mode == "yes" or (mode == "auto" and
-                                               self.prompts * self.iterations <= EXACT_PROMPTS_LIMIT)
-        self._batches: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._batches: dict[int, BatchShape] = {}
+        total_samples = self.prompts * self.spp * self.iterations
+        self.record_samples = setup.options.samples == "yes" or (setup.options.samples == "auto"
+                                                                  and total_samples <= SAMPLE_ROWS_LIMIT)
         self._predictions: dict[tuple[int, int], tuple[float, float, float]] = {}
 
         name = cfg.policy.name
@@ -133,13 +135,10 @@ class Simulator:
         self.rows: dict[str, list] = {"iterations": [], "decisions": [], "samples": []}
 
     # --- workload ----------------------------------------------------------------------------
-    def batch(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(length caps, prompt lengths) of batch b, per prompt."""
+    def batch(self, b: int) -> BatchShape:
+        """The shape of batch b (prompt lengths, hidden response lengths), as the runtime's."""
         if b not in self._batches:
-            w = self.cfg.workload
-            caps = batch_caps(w, self.seed, b, self.prompts)
-            plens = (exact_prompt_lens if self.exact_prompts else sampled_prompt_lens)(w, self.seed, b, self.prompts)
-            self._batches[b] = (caps, plens)
+            self._batches[b] = batch_shape(self.cfg.workload, self.seed, b, self.prompts, self.spp)
             for old in [x for x in self._batches if x < b - 2]:
                 del self._batches[old]
         return self._batches[b]
@@ -165,20 +164,20 @@ class Simulator:
         return np.arange(self.W) if self.colocated else np.arange(self.k)
 
     def train_work(self, b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, micro-batches) of each of k train ranks for batch b: micro-batch j of the
-        index-ordered batch goes to train rank j mod k (trainer.compute_gradient)."""
-        caps, plens = self.batch(b)
-        tok = np.repeat(plens + caps, self.spp).astype(np.float64)
-        mb = np.arange(len(tok)) // self.mbs
-        mb_tok = np.bincount(mb, weights=tok)
-        owner = np.arange(len(mb_tok)) % k
+        """(tokens, micro-batches) of each of k train ranks for batch b: the trained samples in
+        index order, cut into micro-batches, spread by placement.assign_micro_batches (trainer)."""
+        shape = self.batch(b)
+        n = shape.trained_prompts
+        tok = (shape.prompt_lens[:n, None] + shape.response_lens[:n]).ravel().astype(np.float64)
+        mb_tok = np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
+        owner = assign_micro_batches(mb_tok, k)
         return np.bincount(owner, weights=mb_tok, minlength=k), np.bincount(owner, minlength=k).astype(np.float64)
 
     def exchanged_tokens(self, b: int | None) -> float:
         if b is None:
             return 0.0
-        caps, plens = self.batch(b)
-        return float((plens + caps).sum() * self.spp)
+        shape = self.batch(b)
+        return float(shape.prompt_lens.sum() * self.spp + shape.response_lens.sum())
 
     # --- the oracle's prediction ---------------------------------------------------------------
     def predict(self, it: int, k: int) -> tuple[float, float, float]:
@@ -192,9 +191,9 @@ class Simulator:
         trn = it - self.lag if it >= self.lag else None
         roll = train = sync = 0.0
         if gen is not None:
-            caps, plens = self.batch(gen)
-            R = W - k
-            roll = float(cm.rollout_times(place(caps, R), caps, plens, R).max())
+            shape, R = self.batch(gen), W - k
+            roll = float(cm.rollout_times(place_prompts(shape.prompt_lens, R), shape.prompt_lens,
+                                          shape.response_lens, R).max())
         if trn is not None:
             tok, mb = self.train_work(trn, k)
             train = float(np.max(cm.train_compute_time(tok, mb))) + cm.train_sync_time(k)
@@ -217,7 +216,8 @@ class Simulator:
         meta = {"mode": "simulate", "world_size": self.W, "mpi_world_size": 0, "backend": "none",
                 "device": "simulated", "config": self.setup.config_yaml(), "policy": self.cfg.policy.name,
                 "max_lag": self.lag, "parameters": cm.numel, "hardware": cm.profile.name,
-                "model": cm.model.name, "hostnames": json.dumps([]), "dynaresize_version": __version__}
+                "model": cm.model.name, "hostnames": json.dumps([]), "dynaresize_version": __version__,
+                "samples_recorded": self.record_samples}
         wall0 = time.perf_counter()
         writer = TimelineWriter(path, meta)
         try:
@@ -268,17 +268,18 @@ class Simulator:
         # rollout
         rollout_time, mean_length = 0.0, 0.0
         if generate is not None:
-            caps, plens = self.batch(generate)
+            shape = self.batch(generate)
             rr = self.rollout_ranks()
             R = len(rr)
-            assign = place(caps, R)
-            dur = cm.rollout_times(assign, caps, plens, R) * self._noise(R)
-            tokens = np.bincount(assign, weights=caps * self.spp, minlength=R)
+            assign = place_prompts(shape.prompt_lens, R)
+            dur = cm.rollout_times(assign, shape.prompt_lens, shape.response_lens, R) * self._noise(R)
+            tokens = np.bincount(assign, weights=shape.response_lens.sum(axis=1), minlength=R)
             ev.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens)
             t[rr] += dur
             rollout_time = float(dur.max())
-            mean_length = float(caps.mean())
-            self.rows["samples"].append(self.sample_rows(it, generate, caps, plens, rr[assign]))
+            mean_length = float(shape.response_lens.mean())
+            if self.record_samples:
+                self.rows["samples"].append(self.sample_rows(it, generate, shape, rr[assign]))
         if self.lag == 0:
             self.exchange(it, t, roles, generate)
 
@@ -320,17 +321,17 @@ class Simulator:
     def describe(self) -> str:
         return f"{self.W}C" if self.colocated else f"{self.k}T/{self.W - self.k}R"
 
-    def sample_rows(self, it, b, caps, plens, prompt_ranks) -> np.ndarray:
-        n, spp = len(caps), self.spp
+    def sample_rows(self, it, b, shape: BatchShape, prompt_ranks) -> np.ndarray:
+        n, spp = shape.prompts, self.spp
         out = np.zeros(n * spp, dtype=schema.SAMPLE_DTYPE)
         out["iteration"] = it
         out["batch"] = b
         out["index"] = np.arange(n * spp)
         out["prompt"] = np.repeat(np.arange(n), spp)
         out["rank"] = np.repeat(prompt_ranks, spp)
-        out["prompt_len"] = np.repeat(plens, spp)
-        out["response_len"] = np.repeat(caps, spp)
-        out["length_cap"] = out["response_len"]
+        out["prompt_len"] = np.repeat(shape.prompt_lens, spp)
+        out["response_len"] = shape.response_lens.ravel()
+        out["length_cap"] = out["response_len"]         # the hidden length: every response reaches it
         return out
 
     def exchange(self, it, t, roles, generate) -> None:
@@ -504,7 +505,8 @@ def summary_line(path: str) -> str:
     import h5py
     with h5py.File(path, "r") as f:
         its = f["iterations"][...]
-        tokens = int(f["samples"]["response_len"].astype(np.int64).sum())
+        ev = f["events"][...]
+        tokens = int(ev["tokens"][ev["name"] == b"rollout"].astype(np.int64).sum())
         decisions = f["decisions"][...]
         moves = int((decisions["action"] == b"move").sum())
         wall = float(f.attrs.get("sim_wall_s", math.nan))

@@ -1,8 +1,8 @@
 """The oracle: the per-iteration best split with free switching (simulator only).
 
-Before every iteration it knows what the iteration will do (the caps of the batch to generate and
-of the batch to train) and picks the split with the shortest predicted iteration, priced by the
-same cost model as the simulation (no noise). Its switches cost nothing (the simulator records
+Before every iteration it knows what the iteration will do (the batch to generate, hidden lengths
+included, and the batch to train) and picks the split with the shortest predicted iteration,
+priced by the same cost model as the simulation (no noise). Its switches cost nothing (the simulator records
 none). No policy can beat it under the same cost model: it is the upper bound of throughput a
 split policy can reach, the denominator of "dynamic / oracle".
 """
@@ -12,7 +12,8 @@ import math
 
 from ..policy import Decision, IterationStats, Policy
 
-EXHAUSTIVE = 48       # candidate splits up to which every one is evaluated
+EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
+NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
 
 
 class OraclePolicy(Policy):
@@ -29,15 +30,19 @@ class OraclePolicy(Policy):
         """The split with the shortest predicted iteration `iteration` (ties: fewer train ranks)."""
         cands = self.candidates
         f = lambda i: self.sim.predict(iteration, cands[i])[0]   # noqa: E731
-        lo, hi = 0, len(cands) - 1
-        while hi - lo + 1 > EXHAUSTIVE:
-            # Stage times are monotone in the split (rollout up, training down with more train
-            # ranks), so the best point of a coarse grid brackets the optimum.
-            grid = sorted({lo + round(j * (hi - lo) / 16) for j in range(17)})
-            values = [f(i) for i in grid]
-            b = min(range(len(grid)), key=lambda j: (values[j], grid[j]))
-            lo, hi = grid[max(b - 1, 0)], grid[min(b + 1, len(grid) - 1)]
-        i = min(range(lo, hi + 1), key=lambda j: (f(j), j))
+        window = range(len(cands))
+        if len(cands) > EXHAUSTIVE and self.max_lag >= 1:
+            # The stages overlap, so the iteration lasts about max(rollout, train): rollout time
+            # grows with the train ranks and train time shrinks, so the best split sits where they
+            # cross. Bisect for the crossing (a few evaluations, never a sweep of the splits whose
+            # few rollout ranks queue thousands of sequences), then search around it.
+            lo, hi = 0, len(cands) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                _, rollout, train = self.sim.predict(iteration, cands[mid])
+                lo, hi = (lo, mid) if rollout >= train else (mid + 1, hi)
+            window = range(max(lo - NEIGHBOURS, 0), min(lo + NEIGHBOURS, len(cands) - 1) + 1)
+        i = min(window, key=lambda j: (f(j), j))
         return cands[i], f(i)
 
     def initial_train_ranks(self) -> int:

@@ -73,7 +73,7 @@ SAMPLE_DTYPE = np.dtype([
     ("rank", "<i4"),          # rank that generated it
     ("prompt_len", "<i4"),
     ("response_len", "<i4"),
-    ("length_cap", "<i4"),
+    ("length_cap", "<i4"),    # the hidden response length the workload gave the sample (its end unless <eos> came first)
     ("reward", "<f4"),
     ("digest", "<u8"),        # hash of the response token ids: equal digests, equal tokens
 ])

@@ -78,40 +78,55 @@ def weight_sync(ctrl: ControlPlane, out_dir: str) -> dict:
 
 
 def split_training(ctrl: ControlPlane, out_dir: str) -> dict:
-    """Training the same batches on 1 and on 2 train ranks gives the same weights; one sharded AdamW
-    step equals torch.optim.AdamW over the whole model on one rank."""
+    """Training the same batches on 1, 2 and 3 train ranks gives bit-identical weights, with the
+    engine's behaviour log-probs and with recomputed ones; the batches' token-balanced micro-batch
+    assignment differs from j mod k, so the test covers it. One sharded AdamW step equals
+    torch.optim.AdamW over the whole model on one rank. Needs 3 MPI ranks."""
+    import dataclasses
+
     import torch.distributed as dist
 
-    from dynaresize.trainer import ShardedTrainer
+    from dynaresize.trainer import ShardedTrainer, micro_batch_tokens
 
-    job = Job(job_config(out_dir, policy={"train_ranks": 1}, cluster={"ranks": 2}), ctrl)
-    # Three batches, generated once by the rollout rank and handed to everyone.
+    job = Job(job_config(out_dir, policy={"train_ranks": 1}, cluster={"ranks": 3}), ctrl)
+    # Three batches, generated once by the rollout ranks and handed to everyone.
     batches = [job.exchange(0, job.rollout(0, batch=b)) for b in range(3)]
     world = dist.group.WORLD
     cfg = job.cfg.trainer
+    groups = {1: job.registry.get("train", 1), 2: job.registry.get("train", 2), 3: world}
 
-    def fresh(group, ranks) -> ShardedTrainer:
-        t = ShardedTrainer(load_model(job.model_dir), cfg, job.cfg.rollout.temperature)
+    def fresh(group, ranks, trainer_cfg=cfg) -> ShardedTrainer:
+        t = ShardedTrainer(load_model(job.model_dir), trainer_cfg, job.cfg.rollout.temperature)
         t.join(group, ranks, ctrl.rank)
         return t
 
     result = {}
-    # (a) one train rank vs two, three steps each.
-    one = fresh(job.registry.get("train", 1), [0]) if ctrl.rank == 0 else None
-    if one is not None:
-        for b in batches:
-            one.train_step(b)
-    two = fresh(world, [0, 1])
-    for b in batches:
-        two.train_step(b)
-    if ctrl.rank == 0:
-        diff = max_rel_diff(two.flat, one.flat)
-        assert diff <= 1e-5, f"1 vs 2 train ranks: max relative difference {diff}"
-        assert not torch.equal(one.flat, model_to_flat(load_model(job.model_dir), one.layout))
-        result["one_vs_two_max_rel_diff"] = diff
+    # (a) 1 vs 2 vs 3 train ranks, three steps each; rank r takes part in every k > r.
+    for recompute in (False, True):
+        trainer_cfg = dataclasses.replace(cfg, recompute_logprobs=recompute)
+        flats = {}
+        for k in (1, 2, 3):
+            if ctrl.rank >= k:
+                continue
+            t = fresh(groups[k], list(range(k)), trainer_cfg)
+            for b in batches:
+                info = t.train_step(b)
+                # This rank computed exactly the micro-batches the balanced assignment gave it ...
+                mbs, owners = t.micro_batches(b)
+                mine = [mb for mb, owner in zip(mbs, owners) if owner == t.index]
+                assert (info["micro_batches"], info["tokens"]) == (len(mine), sum(map(micro_batch_tokens, mine)))
+                # ... which is not j mod k (else the comparison would not cover the new assignment).
+                assert k == 1 or owners != [j % k for j in range(len(mbs))], f"batch {b[0].batch}: j mod {k}"
+            flats[k] = t.flat
+        if ctrl.rank == 0:
+            assert not torch.equal(flats[1], model_to_flat(load_model(job.model_dir), job.layout))
+            for k in (2, 3):
+                diff = max_rel_diff(flats[k], flats[1])
+                assert diff == 0.0, f"1 vs {k} train ranks (recompute {recompute}): max relative difference {diff}"
+                result[f"one_vs_{k}{'_recompute' if recompute else ''}_max_rel_diff"] = diff
 
-    # (b) one sharded AdamW step (2 ranks) vs torch.optim.AdamW on the whole model (1 rank).
-    sharded = fresh(world, [0, 1])
+    # (b) one sharded AdamW step (3 ranks) vs torch.optim.AdamW on the whole model (1 rank).
+    sharded = fresh(world, [0, 1, 2])
     grad, _ = sharded.compute_gradient(batches[0])
     sharded.apply_gradient(grad)
     if ctrl.rank == 0:

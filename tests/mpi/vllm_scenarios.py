@@ -71,13 +71,14 @@ def vllm_sync(ctrl, out_dir: str) -> dict:
         for rank in (1, 2):
             got = torch.from_numpy(weights[rank])
             assert torch.equal(got, trained), f"rank {rank}: max diff {float((got - trained).abs().max())}"
-        prompts = make_batch(cfg.workload, cfg.run.seed, 2, cfg.rollout.prompts_per_batch)
+        prompts = make_batch(cfg.workload, cfg.run.seed, 2, cfg.rollout.prompts_per_batch, cfg.rollout.samples_per_prompt)
         assert {s.rank for s in greedy} == {1, 2}, {s.rank for s in greedy}
-        reference = {p.index: hf_greedy(job.trainer.model, list(p.tokens), p.length_cap) for p in prompts}
-        changed = sum(reference[p.index][0] != hf_greedy(initial_model, list(p.tokens), p.length_cap)[0]
+        reference = {p.index: hf_greedy(job.trainer.model, list(p.tokens), max(p.response_lens)) for p in prompts}
+        changed = sum(reference[p.index][0] != hf_greedy(initial_model, list(p.tokens), max(p.response_lens))[0]
                       for p in prompts)
-        for s in greedy:
+        for s in greedy:                         # greedy: each sample is a prefix of its prompt's longest
             want, want_lp = reference[s.prompt]
+            want, want_lp = want[:s.length_cap], want_lp[:s.length_cap]
             assert s.response == want, f"sample {s.index} (rank {s.rank}): vLLM {s.response} != trainer {want}"
             assert max(abs(a - b) for a, b in zip(s.logprobs, want_lp)) < 1e-3, f"sample {s.index}: logprobs"
         assert changed > 0, "the update did not change any greedy output: the comparison would prove nothing"

@@ -1,0 +1,55 @@
+"""Where work goes: prompt groups onto rollout ranks, micro-batches onto train ranks.
+
+Pure functions of what a real system can see (numpy only; the runtime, the emulation and the
+simulator all call these):
+
+- rollout placement sees each prompt's length, never a response's: a response's length is not
+  known before it is generated. Groups are spread evenly by count, longest prompts first;
+- micro-batch assignment runs after generation, so it may use the token counts of the
+  micro-batches it spreads.
+
+Neither changes what is computed: a sample's tokens depend on its seed, the prompt and the
+weights; the micro-batches and the order of the gradient reduction are fixed (see trainer.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def serpentine(weights, ranks: int) -> np.ndarray:
+    """The rank (0..ranks-1) of each item: items sorted by weight (largest first, ties by index)
+    are dealt in a serpentine order 0, 1, .., R-1, R-1, .., 0, 0, 1, ..: every rank gets the same
+    number of items (within one), and the loads differ by at most the largest item. Vectorised."""
+    if ranks < 1:
+        raise ValueError("no rank to place on")
+    weights = np.asarray(weights)
+    n = len(weights)
+    order = np.lexsort((np.arange(n), -weights))
+    lap, offset = np.divmod(np.arange(n), ranks)
+    assign = np.empty(n, dtype=np.int64)
+    assign[order] = np.where(lap % 2 == 0, offset, ranks - 1 - offset)
+    return assign
+
+
+def place_prompts(prompt_lens, ranks: int) -> np.ndarray:
+    """The rollout rank of each prompt group: spread by prompt length (serpentine), never by the
+    response lengths nobody knows yet."""
+    return serpentine(np.asarray(prompt_lens, dtype=np.int64), ranks)
+
+
+def placement_lists(assign: np.ndarray, ranks: int) -> list[list[int]]:
+    """`assign` as the sorted prompt indices of each rank."""
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i, r in enumerate(np.asarray(assign).tolist()):
+        out[r].append(i)
+    return out
+
+
+def assign_micro_batches(tokens, ranks: int) -> np.ndarray:
+    """The train rank of each micro-batch, spread by its tokens (serpentine): the busiest rank
+    carries at most the mean plus the largest micro-batch, instead of the ~1.6x of the mean that
+    j mod k gives on long-tailed batches."""
+    return serpentine(np.asarray(tokens, dtype=np.int64), ranks)
+
+
+__all__ = ["serpentine", "place_prompts", "placement_lists", "assign_micro_batches"]

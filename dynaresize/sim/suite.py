@@ -1,0 +1,276 @@
+"""`dynaresize-sim suite`: the comparison a reviewer can trust, one table per workload.
+
+    dynaresize-sim suite --ranks 64                       # 7 workloads, H100 / Qwen2.5-7B
+    dynaresize-sim suite --ranks 64 256 1024 --hardware h100 h200 --out suite
+    dynaresize-sim suite --ranks 64 --workloads stationary,dapo run.iterations=50
+
+For every (hardware, ranks, workload) it simulates, with the same seed and cost model
+(conf/experiment/suite.yaml plus the workload preset of conf/workload/):
+
+    static, hindsight-best   the best of a sweep over every split (train units 1 .. units-1)
+    static, pilot            the split that was best over the first PILOT_ITERATIONS iterations
+                             (what a user picks from a short trial run), run to the end
+    colocated                every rank generates, then trains (max_lag 0)
+    dynamic                  policy=dynamic
+    oracle                   the per-iteration best split with free switching
+    bound                    per iteration max(the longest sample decoded alone, all rollout and
+                             train work / all ranks), summed: what no placement can beat
+
+and writes, per workload, table.csv, table.md and table.png (throughput relative to the hindsight
+static split), and over all workloads summary.md / summary.csv. The timelines of the runs in the
+table stay in runs/NAME/timeline.h5 for `dynaresize-analyze` (`--keep all` keeps the whole static
+sweep too: ~5 MB a run at 64 ranks, ~80 MB at 1,024; `--keep none` none).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+WORKLOADS = ("stationary", "growth", "dapo", "deepscaler", "r1zero", "mixture_blocks", "mixture_alternating")
+ROWS = ("static, hindsight-best", "static, pilot", "colocated", "dynamic", "oracle", "bound")
+PILOT_ITERATIONS = 5
+
+
+# --- the runs ----------------------------------------------------------------------------------
+
+def run_specs(base: dict) -> dict[str, dict]:
+    """The composed config of every run of one workload (name -> plain config dict)."""
+    units = int(base["sim"]["units"])
+    specs = {}
+    for u in range(1, units):
+        spec = copy.deepcopy(base)
+        spec["policy"]["name"] = "static"
+        spec["sim"]["train_units"] = u
+        specs[f"static_{u:02d}"] = spec
+    dyn = copy.deepcopy(base)
+    dyn["policy"]["name"] = "dynamic"
+    specs["dynamic"] = dyn
+    coloc = copy.deepcopy(base)
+    coloc["policy"]["name"] = "colocated"
+    coloc["run"]["max_lag"] = 0
+    specs["colocated"] = coloc
+    oracle = copy.deepcopy(base)
+    oracle["policy"]["name"] = "oracle"
+    specs["oracle"] = oracle
+    return specs
+
+
+def _simulate(job: tuple[dict, str]) -> dict:
+    """Simulate one run and read its metrics back from its timeline (in a worker process)."""
+    import analysis
+
+    from .config import prepare
+    from .core import Simulator
+    spec, folder = job
+    tl = analysis.load_timeline(Simulator(prepare(spec), folder).run())
+    its = analysis.iteration_metrics(tl)
+    first = its[its["iteration"] < PILOT_ITERATIONS]
+    metrics = analysis.run_metrics(tl)
+    metrics["pilot_tokens_per_s"] = float(first["tokens"].sum() / first["span_s"].sum())
+    return metrics
+
+
+def bound(spec: dict) -> dict:
+    """The bound of a run config: per iteration (one step off-policy: the stages overlap)
+    max(longest sample decoded alone, (rollout work + train work) / ranks), summed; and the
+    generated tokens, for its throughput."""
+    from ..costmodel import CostModel
+    from ..shapes import batch_shape
+    from .config import prepare
+    setup = prepare(spec)
+    cfg = setup.cfg
+    cm = CostModel.for_job(cfg, setup.profile)
+    W, spp, mbs = cfg.cluster.ranks, cfg.rollout.samples_per_prompt, cfg.trainer.micro_batch_size
+    iterations, lag = cfg.run.iterations, 1
+    shape = lambda b: batch_shape(cfg.workload, cfg.run.seed, b, cfg.rollout.prompts_per_batch, spp)  # noqa: E731
+    total = work = tokens = 0.0
+    for it in range(iterations + lag):
+        longest = rollout = train = 0.0
+        if it < iterations:
+            s = shape(it)
+            longest = cm.longest_decode_time(s.prompt_lens, s.response_lens)
+            rollout = cm.rollout_work(s.prompt_lens, s.response_lens)
+            tokens += float(s.response_lens.sum())
+        if it >= lag:
+            s = shape(it - lag)
+            n = s.trained_prompts
+            train = float(cm.train_compute_time((s.prompt_lens[:n, None] + s.response_lens[:n]).sum(), n * spp / mbs))
+        total += max(longest, (rollout + train) / W)
+        work += rollout + train
+    return {"total_time_s": total, "tokens": tokens, "busy_share": work / (W * total) if total > 0 else math.nan}
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+def workload_table(metrics: dict[str, dict], bound_row: dict):
+    """One row per baseline (ROWS) from the runs' metrics (analysis.run_metrics): throughput and
+    total time relative to the hindsight-best static split, busy share of rank-time, critical
+    switch seconds per rank and iteration, hidden share of switch work."""
+    import pandas as pd
+
+    statics = [n for n in metrics if n.startswith("static_")]
+    best = max(statics, key=lambda n: metrics[n]["tokens_per_s"])
+    trial = max(statics, key=lambda n: metrics[n]["pilot_tokens_per_s"])
+    ref = metrics[best]
+    picks = {"static, hindsight-best": best, "static, pilot": trial, "colocated": "colocated",
+             "dynamic": "dynamic", "oracle": "oracle"}
+    rows = []
+    for row in ROWS:
+        if row == "bound":
+            tput = bound_row["tokens"] / bound_row["total_time_s"]
+            rows.append({"row": row, "run": "-", "split": "-", "tokens_per_s": tput,
+                         "throughput_x": tput / ref["tokens_per_s"],
+                         "total_time_x": bound_row["total_time_s"] / ref["total_time_s"],
+                         "busy_share": bound_row["busy_share"], "critical_switch_s": 0.0,
+                         "hidden_share": math.nan})
+            continue
+        m = metrics[picks[row]]
+        if row == "colocated":
+            split = "all ranks"
+        elif row == "oracle":
+            split = "per iteration"
+        elif m["final_split"] == m["split"]:
+            split = m["split"]
+        else:
+            split = f"{m['split']} .. {m['final_split']}"
+        rows.append({"row": row, "run": picks[row], "split": split, "tokens_per_s": m["tokens_per_s"],
+                     "throughput_x": m["tokens_per_s"] / ref["tokens_per_s"],
+                     "total_time_x": m["total_time_s"] / ref["total_time_s"],
+                     "busy_share": 1.0 - m["bubble_all"],
+                     "critical_switch_s": m["switch_critical_s"] / max(m["iterations"] * m["world_size"], 1),
+                     "hidden_share": m["hidden_share"] if m["hidden_share"] is not None else math.nan})
+    return pd.DataFrame(rows)
+
+
+def markdown(df, columns=None) -> str:
+    columns = columns or list(df.columns)
+
+    def cell(v):
+        if isinstance(v, float):
+            if math.isnan(v):
+                return "-"
+            return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3f}"
+        return str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for _, r in df.iterrows()]
+    return "\n".join(lines)
+
+
+def bar_chart(df, title: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.barh(df["row"][::-1], df["throughput_x"][::-1], color="#4477aa")
+    ax.axvline(1.0, color="k", lw=0.8)
+    for y, v in enumerate(df["throughput_x"][::-1]):
+        ax.text(v, y, f" {v:.3f}", va="center", fontsize=8)
+    ax.set_xlabel("throughput / hindsight-best static split")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- the command -------------------------------------------------------------------------------
+
+def compose_base(workload: str, hardware: str, ranks: int, overrides: list[str]) -> dict:
+    from omegaconf import OmegaConf
+
+    from .config import compose
+    raw = compose(["+experiment=suite", f"workload={workload}", f"hardware={hardware}",
+                   f"cluster.ranks={ranks}", *overrides])
+    data = OmegaConf.to_container(raw, resolve=True)
+    data.pop("hydra", None)
+    data["sim"]["train_units"] = max(int(data["sim"]["units"]) // 2, 1)    # runs that move start half/half
+    return data
+
+
+def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[str], overrides: list[str],
+              jobs: int = 2, keep: str = "table", log=None) -> "object":
+    """Run the suite; returns the summary DataFrame (one row per hardware x ranks x workload)."""
+    import pandas as pd
+    log = log or (lambda line: print(line, flush=True))
+    summary = []
+    started = time.perf_counter()
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=max(jobs, 1), mp_context=context) as pool:
+        for hw in hardware:
+            for n in ranks:
+                folder = os.path.join(out, f"{hw}-{n}")
+                tables = []
+                for w in workloads:
+                    t0 = time.perf_counter()
+                    base = compose_base(w, hw, n, overrides)
+                    specs = run_specs(base)
+                    wdir = os.path.join(folder, w)
+                    jobs_ = [(spec, os.path.join(wdir, "runs", name)) for name, spec in specs.items()]
+                    metrics = dict(zip(specs, pool.map(_simulate, jobs_)))
+                    df = workload_table(metrics, bound(base))
+                    drop = set(specs) if keep == "none" else set() if keep == "all" else set(specs) - set(df["run"])
+                    for name in drop:
+                        shutil.rmtree(os.path.join(wdir, "runs", name), ignore_errors=True)
+                    df.insert(0, "workload", w)
+                    df.to_csv(os.path.join(wdir, "table.csv"), index=False)
+                    title = f"{w}: {n} ranks, {hw}"
+                    with open(os.path.join(wdir, "table.md"), "w") as f:
+                        f.write(f"## {title}\n\n{markdown(df.drop(columns=['workload']))}\n")
+                    bar_chart(df, title, os.path.join(wdir, "table.png"))
+                    tables.append(df)
+                    r = df.set_index("row")["throughput_x"]
+                    log(f"[suite] {hw} {n:>5} ranks  {w:<20} dynamic {r['dynamic']:.3f}  oracle {r['oracle']:.3f}  "
+                        f"bound {r['bound']:.3f}  x hindsight static  ({time.perf_counter() - t0:.0f} s, "
+                        f"{time.perf_counter() - started:.0f} s in all)")
+                    summary.append({"hardware": hw, "ranks": n, "workload": w,
+                                    **{row: float(r[row]) for row in ROWS}})
+                both = pd.concat(tables)
+                both.to_csv(os.path.join(folder, "tables.csv"), index=False)
+    df = pd.DataFrame(summary)
+    df.to_csv(os.path.join(out, "summary.csv"), index=False)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write("Throughput relative to the hindsight-best static split (same seed and cost model per row).\n\n")
+        f.write(markdown(df) + "\n")
+    log(f"[suite] done in {time.perf_counter() - started:.0f} s: {out}/summary.md, per workload table.md/.csv/.png")
+    return df
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dynaresize-sim suite", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[64], help="allocation sizes (default 64)")
+    p.add_argument("--hardware", nargs="+", default=["h100"], help="profiles of conf/hardware/ (default h100)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated presets of conf/workload/")
+    p.add_argument("--out", default="suite", help="output folder (default ./suite)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations in parallel")
+    p.add_argument("--keep", choices=("table", "all", "none"), default="table",
+                   help="timelines kept: the table's runs (default), every run, or none")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. run.iterations=50")
+    args = p.parse_intermixed_args(argv)
+    from ..config import ConfigError
+    from ..costmodel import ProfileError, available_profiles
+    workloads = [w for w in args.workloads.split(",") if w]
+    wdir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf", "workload")
+    known = sorted(f[:-5] for f in os.listdir(wdir) if f.endswith(".yaml"))
+    bad = [w for w in workloads if w not in known] + [h for h in args.hardware if h not in available_profiles()]
+    if bad:
+        print(f"dynaresize-sim suite: unknown {bad}. Fix: workloads from {known}, hardware from "
+              f"{available_profiles()}", file=sys.stderr)
+        return 2
+    try:
+        run_suite(os.path.abspath(args.out), args.ranks, args.hardware, workloads, args.overrides, args.jobs,
+                  args.keep)
+    except (ConfigError, ProfileError) as e:
+        print(f"dynaresize-sim suite: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
