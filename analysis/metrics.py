@@ -251,7 +251,7 @@ def _sample_table(samples: pd.DataFrame, keys: pd.Series | np.ndarray) -> pd.Dat
 
 
 def samples_recorded(tl: Timeline) -> bool:
-    """False for a simulated sweep run written without per-sample rows (sim.samples=false)."""
+    """False for a simulated sweep run written without per-sample rows (sim.samples=no, or auto on a large run)."""
     return bool(tl.attrs.get("samples_recorded", True))
 
 

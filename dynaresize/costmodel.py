@@ -410,10 +410,16 @@ def continuous_steps(assign, response_lens, slots, ranks: int) -> np.ndarray:
     steps = np.zeros(ranks)
     if L.size:
         np.maximum.at(steps, assign, L.max(axis=1))
-    counts = np.bincount(assign, minlength=ranks) * (L.shape[1] if L.ndim == 2 else 0)
+    groups = np.bincount(assign, minlength=ranks)
+    counts = groups * (L.shape[1] if L.ndim == 2 else 0)
     slots = np.asarray(slots, dtype=np.int64)
-    for r in np.flatnonzero(counts > slots).tolist():
-        seqs = L[assign == r].ravel().tolist()
+    queued = np.flatnonzero(counts > slots)
+    if len(queued) == 0:
+        return steps
+    order = np.argsort(assign, kind="stable")     # each rank's groups, in index order, once
+    starts = np.concatenate(([0], np.cumsum(groups)))
+    for r in queued.tolist():
+        seqs = L[order[starts[r]:starts[r + 1]]].ravel().tolist()
         free = seqs[:slots[r]]                    # the slots' free times
         heapq.heapify(free)
         replace = heapq.heapreplace

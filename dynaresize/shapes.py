@@ -88,8 +88,7 @@ class BatchShape:
     digits: np.ndarray          # (prompts,) digits of each prompt's question
     context_lens: np.ndarray    # (prompts,) instruction tokens before the question
     prompt_lens: np.ndarray     # (prompts,) all prompt tokens
-    response_lens: np.ndarray   # (prompts, samples) hidden response lengths, in [length_min, cap]
-    cap: int                    # this batch's max response length
+    response_lens: np.ndarray   # (prompts, samples) hidden response lengths, in [length_min, the batch's cap]
     trained_prompts: int        # the trainer takes prompt groups 0 .. trained_prompts - 1
 
     @property
@@ -115,8 +114,7 @@ def batch_shape(w, seed: int, batch: int, prompts_per_batch: int, samples_per_pr
               else np.ones((n, samples_per_prompt)))
     lens = np.clip(np.round(scale[:, None] * spread), w.length_min, cap).astype(np.int64)
     prompt_lens = context + digits + prompt_extra_tokens(w.task)
-    return BatchShape(digits.astype(np.int64), context, prompt_lens.astype(np.int64), lens, cap,
-                      min(prompts_per_batch, n))
+    return BatchShape(digits.astype(np.int64), context, prompt_lens.astype(np.int64), lens, min(prompts_per_batch, n))
 
 
 __all__ = ["BatchShape", "batch_shape", "response_cap", "max_response_cap", "oversample_factor",

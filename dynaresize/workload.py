@@ -37,7 +37,8 @@ class Prompt:
     response_lens: tuple[int, ...]  # hidden: where each sample's response ends (engines stop there)
 
 
-def make_batch(cfg: WorkloadConfig, seed: int, batch: int, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
+def make_batch(cfg: WorkloadConfig, seed: int, batch: int, num_prompts: int,
+               samples_per_prompt: int) -> list[Prompt]:
     """The prompts of batch `batch`: `num_prompts` trained ones, more when over-sampling."""
     shape = batch_shape(cfg, seed, batch, num_prompts, samples_per_prompt)
     rng = keyed_rng(seed, batch, _TOKEN_STREAM)

@@ -181,7 +181,7 @@ class VLLMEngine:
 
         prompts, params = [], []
         for req in requests:
-            for seed, length in zip(req.seeds, req.prompt.response_lens):
+            for seed, length in zip(req.seeds, req.prompt.response_lens, strict=True):
                 prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt.tokens)))
                 params.append(SamplingParams(n=1, temperature=temperature, seed=seed,
                                              max_tokens=length, logprobs=0,
