@@ -20,7 +20,7 @@ from .compare import compare, find_timelines, ratios
 from .follow import follow
 from .gantt import gantt
 from .load import Timeline, load_timeline
-from .metrics import (busy_segments, decisions, gpu_time, iteration_metrics, rank_iterations,
+from .metrics import (busy_segments, decisions, gpu_time, iteration_metrics, predictions, rank_iterations,
                       run_metrics)
 from .report import summary_text, write_report
 from .trace import perfetto_trace, write_trace
@@ -28,6 +28,6 @@ from .trace import perfetto_trace, write_trace
 __all__ = [
     "Timeline", "TimelineError", "load_timeline",
     "iteration_metrics", "run_metrics", "rank_iterations", "busy_segments", "gpu_time",
-    "decisions", "gantt", "perfetto_trace", "write_trace", "compare", "ratios",
+    "decisions", "predictions", "gantt", "perfetto_trace", "write_trace", "compare", "ratios",
     "find_timelines", "follow", "write_report", "summary_text",
 ]

@@ -76,10 +76,10 @@ class Timeline:
 
     @property
     def initial_train_ranks(self) -> int | None:
-        """Train ranks of the initial split: config ``policy.train_ranks``, else the first
-        iteration's split, else None."""
+        """Train ranks of the initial split: config ``policy.train_ranks`` (unless ``auto``), else
+        the first iteration's split, else None."""
         policy = self.config.get("policy")
-        if isinstance(policy, dict) and policy.get("train_ranks") is not None:
+        if isinstance(policy, dict) and isinstance(policy.get("train_ranks"), int):
             return int(policy["train_ranks"])
         if len(self.iterations):
             return int(self.iterations["train_ranks"].iloc[0])

@@ -371,7 +371,8 @@ def run_metrics(tl: Timeline) -> dict:
     total_time_s, samples, tokens, tokens_per_s, samples_per_s, mean_reward,
     mean_response_len, p99_response_len, bubble_train, bubble_rollout, bubble_both,
     bubble_all, switch_ops, switch_total_s, switch_critical_s, switch_hidden_s, hidden_share,
-    resizes, decisions, outside_iterations_s, gpu_time.
+    resizes, prediction_error_median (median |predicted / measured - 1| of the next iteration's
+    time, see predictions), decisions, outside_iterations_s, gpu_time.
     """
     its = iteration_metrics(tl)
     sp = spans(tl)
@@ -423,12 +424,32 @@ def run_metrics(tl: Timeline) -> dict:
         "switch_hidden_s": total - critical,
         "hidden_share": hidden_share(total, critical),
         "resizes": int((tl.decisions["action"] == "move").sum()),
+        "prediction_error_median": float(predictions(tl)["error"].abs().median()),
         "decisions": int(len(tl.decisions)),
         "outside_iterations_s": (float((total_time - sp["span_s"].sum()) * len(tl.ranks))
                                  if n else math.nan),
         "gpu_time": gpu_time(tl),
     })
     return out
+
+
+def predictions(tl: Timeline) -> pd.DataFrame:
+    """The policy's prediction of the next iteration's time against the measured one.
+
+    One row per decision that records ``predicted_s`` (the dynamic policy and the oracle do;
+    a move's prediction includes its switch), for the iteration predicted: iteration, split
+    (train ranks), predicted_s, measured_s (its span) and error = predicted / measured - 1."""
+    columns = ["iteration", "train_ranks", "predicted_s", "measured_s", "error"]
+    d = tl.decisions
+    if not len(d) or "attrs" not in d:
+        return pd.DataFrame(columns=columns)
+    predicted = [schema.decode_attrs(a).get("predicted_s") for a in d["attrs"]]
+    rows = pd.DataFrame({"iteration": d["iteration"].to_numpy() + 1, "predicted_s": predicted}).dropna()
+    sp = spans(tl)[["iteration", "train_ranks", "span_s"]].rename(columns={"span_s": "measured_s"})
+    out = rows.merge(sp, on="iteration")
+    out["predicted_s"] = out["predicted_s"].astype(float)
+    out["error"] = out["predicted_s"] / out["measured_s"] - 1.0
+    return out[columns].reset_index(drop=True)
 
 
 def decisions(tl: Timeline) -> pd.DataFrame:

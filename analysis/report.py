@@ -12,7 +12,7 @@ import pandas as pd
 
 from .gantt import gantt
 from .load import Timeline
-from .metrics import decisions, iteration_metrics, run_metrics
+from .metrics import decisions, iteration_metrics, predictions, run_metrics, spans
 from .trace import write_trace
 
 REPORT_DIR = "report"
@@ -36,9 +36,10 @@ def write_report(tl: Timeline, out_dir: str | os.PathLike | None = None, *, png:
                  ) -> dict[str, Path]:
     """Write the report files of `tl` into `out_dir` (default: ``report/`` beside the timeline).
 
-    Files: summary.csv (per iteration), summary.json (``run``, ``iterations``, ``decisions``),
-    gantt.png and trace.json (Chrome trace for Perfetto; only iterations first..last if
-    `trace_iterations` = (first, last)). Returns {name: path}.
+    Files: summary.csv (per iteration), summary.json (``run``, ``iterations``, ``decisions``,
+    ``predictions``), gantt.png, prediction.png (the policy's error per iteration, when its
+    decisions record predictions) and trace.json (Chrome trace for Perfetto; only iterations
+    first..last if `trace_iterations` = (first, last)). Returns {name: path}.
     """
     out = Path(out_dir) if out_dir is not None else Path(tl.path).parent / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -48,16 +49,67 @@ def write_report(tl: Timeline, out_dir: str | os.PathLike | None = None, *, png:
     summary = {"run": run_metrics(tl),
                "iterations": its.astype(object).to_dict("records"),
                "decisions": decisions(tl).astype(object).to_dict("records"),
+               "predictions": predictions(tl).astype(object).to_dict("records"),
                "definitions": "see the module docs of analysis.metrics"}
     with open(files["summary.json"], "w") as f:
         json.dump(jsonable(summary), f, indent=1, allow_nan=False)
     if png:
         files["gantt.png"] = out / "gantt.png"
         gantt(tl, files["gantt.png"])
+        pred = predictions(tl)
+        if len(pred):
+            files["prediction.png"] = out / "prediction.png"
+            plot_predictions(pred, files["prediction.png"], tl.attrs.get("policy", ""))
     if trace:
         files["trace.json"] = out / "trace.json"
         write_trace(tl, files["trace.json"], trace_iterations)
     return files
+
+
+def closing_summary(tl: Timeline, report: dict[str, Path] | None) -> str:
+    """What a finished run prints last: throughput, resizes, bubbles per role, the hidden share
+    of switch work, the policy's prediction error, and where the report is (`report`: the files
+    write_report wrote) or how to draw it."""
+    m = run_metrics(tl)
+    sp = spans(tl)
+    splits = sp["train_ranks"].to_numpy()
+    path = [f"{k}T/{m['world_size'] - k}R" for i, k in enumerate(splits) if i == 0 or k != splits[i - 1]]
+    lines = [f"{m['iterations']} iterations in {_num(m['total_time_s'], '{:.1f}')} s, "
+             f"{_num(m['tokens_per_s'], '{:,.0f}')} tokens/s; {m['resizes']} resizes"
+             + (f" ({' -> '.join(path)})" if m["resizes"] else f" (split {m['split']})"),
+             f"bubbles: train {_pct(m['bubble_train'])}, rollout {_pct(m['bubble_rollout'])}"
+             + (f", both {_pct(m['bubble_both'])}" if not pd.isna(m["bubble_both"]) else "")
+             + f"; switch work {_num(m['switch_total_s'])} s, {_pct(m['hidden_share'])} of it hidden"
+             + ("" if pd.isna(m["prediction_error_median"]) else
+                f"; next-iteration prediction error, median {_pct(m['prediction_error_median'])}")]
+    folder = Path(tl.path).parent
+    if report:
+        lines.append(f"report: {next(iter(report.values())).parent} ({', '.join(report)}); redraw it "
+                     f"with `dynaresize-analyze {folder}`")
+    else:
+        lines.append(f"report: `dynaresize-analyze {folder}` writes it to {folder / REPORT_DIR}")
+    return "\n".join(lines)
+
+
+def plot_predictions(pred: pd.DataFrame, path, policy: str = "") -> None:
+    """Predicted and measured iteration times, and the relative error, per iteration."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5), sharex=True, height_ratios=(2, 1))
+    top.plot(pred["iteration"], pred["measured_s"], "o-", ms=3, label="measured")
+    top.plot(pred["iteration"], pred["predicted_s"], "x--", ms=4, label="predicted the iteration before")
+    top.set_ylabel("iteration time [s]")
+    top.legend(loc="best")
+    top.set_title(f"{policy} policy: prediction of the next iteration (median error "
+                  f"{100 * pred['error'].abs().median():.1f}%)")
+    bottom.bar(pred["iteration"], 100 * pred["error"], width=0.8)
+    bottom.axhline(0, color="k", lw=0.5)
+    bottom.set_ylabel("error [%]")
+    bottom.set_xlabel("iteration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _pct(x) -> str:
@@ -87,7 +139,9 @@ def summary_text(tl: Timeline, max_rows: int = 20) -> str:
         + f", all {_pct(m['bubble_all'])}",
         f"switches  {m['resizes']} resizes, {m['switch_ops']} switch ops, work "
         f"{_num(m['switch_total_s'])} s, critical {_num(m['switch_critical_s'])} s, hidden share "
-        f"{_pct(m['hidden_share'])}",
+        f"{_pct(m['hidden_share'])}"
+        + ("" if pd.isna(m["prediction_error_median"]) else
+           f"; next-iteration prediction error, median {_pct(m['prediction_error_median'])}"),
         "",
         "GPU time [GPU s]   total      busy      idle  switching",
     ]

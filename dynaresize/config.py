@@ -124,15 +124,13 @@ class TrainerConfig:
 @dataclass
 class PolicyConfig:
     name: str = "static"           # static | colocated | dynamic | scripted
-    train_ranks: int = 2           # initial (or fixed) number of train ranks
+    # initial (or fixed) number of train ranks; dynamic also takes "auto": the cost model's choice
+    train_ranks: Any = 2
     resize_unit: int = 1           # ranks moved together (a node, a TP group)
-    # dynamic
-    dead_band: float = 0.15        # |rollout - train| / max below this is balanced
-    patience: int = 2              # iterations an imbalance must persist
-    cooldown: int = 2              # iterations after a move with no move
-    max_units_per_move: int = 1
-    smoothing: float = 0.5         # EMA weight of the newest iteration
-    switch_cost_s: float = 0.5     # prior for the cost of a move, replaced by measurements
+    # dynamic (see policy.DynamicPolicy)
+    horizon: int = 8               # iterations a plan looks ahead (a move must pay back within them)
+    dead_band: float = 0.01        # a plan must save more than this share of the horizon's time to move
+    smoothing: float = 0.5         # EMA weight of the newest measurement (stage and switch corrections)
     # scripted: train ranks of iteration 0, 1, 2, ... (the last entry holds afterwards)
     schedule: list[int] = field(default_factory=list)
 
@@ -155,6 +153,7 @@ class RunConfig:
     output_dir: Optional[str] = None   # set by the launcher (the Hydra run directory)
     checkpoint_every: int = 0      # iterations between checkpoints; 0: only on Slurm's warning
     save_model: bool = True
+    report: bool = True            # write the analysis report (dynaresize-analyze) when the run ends
 
 
 @dataclass
@@ -321,7 +320,10 @@ def validate(cfg: JobConfig) -> None:
          "use policy=static, colocated, dynamic or scripted (policy.name=oracle only in dynaresize-sim)")
     need(p.resize_unit >= 1 and c.ranks % max(p.resize_unit, 1) == 0, "policy.resize_unit",
          f"{p.resize_unit} does not divide cluster.ranks={c.ranks}", "use a divisor of the rank count")
-    if p.name != "colocated" and c.ranks >= 2:
+    auto = p.train_ranks == "auto"
+    need(isinstance(p.train_ranks, int) or (auto and p.name == "dynamic"), "policy.train_ranks",
+         f"is {p.train_ranks!r}", "give a number of train ranks" + (" or auto" if p.name == "dynamic" else ""))
+    if p.name != "colocated" and c.ranks >= 2 and isinstance(p.train_ranks, int):
         need(1 <= p.train_ranks <= c.ranks - 1, "policy.train_ranks",
              f"is {p.train_ranks}, outside 1..{c.ranks - 1} (cluster.ranks - 1)",
              f"choose 1 to {c.ranks - 1}, leaving at least one rollout rank")
@@ -342,9 +344,8 @@ def validate(cfg: JobConfig) -> None:
     if p.name == "scripted":
         need(len(p.schedule) > 0, "policy.schedule", "is empty", "list the split of each iteration, e.g. [1,1,3,3]")
     need(0 < p.smoothing <= 1, "policy.smoothing", f"is {p.smoothing}", "use a value in (0, 1]")
-    need(p.dead_band >= 0 and p.patience >= 1 and p.cooldown >= 0 and p.max_units_per_move >= 1,
-         "policy.dead_band", "dead_band >= 0, patience >= 1, cooldown >= 0, max_units_per_move >= 1 required",
-         "fix the hysteresis settings")
+    need(p.dead_band >= 0, "policy.dead_band", f"is {p.dead_band}", "use a share >= 0, e.g. 0.01")
+    need(p.horizon >= 1, "policy.horizon", f"is {p.horizon}", "look ahead at least 1 iteration, e.g. 8")
 
     need(s.transport in ("auto", "file", "network"), "staging.transport", f"unknown {s.transport!r}",
          "use auto, file or network")

@@ -20,7 +20,9 @@ from .config import JobConfig, to_yaml
 from .flat import FlatLayout
 from .groups import GroupRegistry
 from .model import load_model, model_skeleton, prepare_checkpoint, save_model
+from .costmodel import CostModel, job_profile
 from .policy import Decision, IterationStats, make_policy
+from .prediction import Lengths
 from .resize import colocated_release, colocated_restore, switch
 from .roles import RoleTable
 from .placement import place_prompts, placement_lists
@@ -48,11 +50,10 @@ class Job:
         self.backend = ctrl.init_data_plane(cfg.cluster.device)
         self.device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
         self.rec = Recorder(self.rank, ctrl.now)
-        self.cost = None
-        if cfg.run.mode == "emulate":              # stages last what the profile's device would take
-            from .costmodel import CostModel, job_profile
-            self.cost = CostModel.for_job(cfg, job_profile(cfg))
-        self.policy = make_policy(cfg.policy, self.world, cfg.run.max_lag)
+        emulate = cfg.run.mode == "emulate"
+        model = CostModel.for_job(cfg, job_profile(cfg)) if emulate or cfg.policy.name == "dynamic" else None
+        self.cost = model if emulate else None     # emulation: stages last what the profile's device would take
+        self.policy = make_policy(cfg, model)      # the dynamic policy prices splits with the same model
         self.status_path = os.path.join(self.run_dir, ".ranks", f"rank-{self.rank:05d}")
         self.staging_dir = job_staging_dir(cfg.cluster.local_scratch, self.run_dir)
         self.staged_files: list[str] = []
@@ -87,6 +88,8 @@ class Job:
         self._t_begin = 0.0
         self.writer = self._open_timeline(resume) if self.rank == 0 else None
         ctrl.barrier()                    # iteration 0 starts together, after everyone's start-up
+        if getattr(self.policy, "start_reason", "") and resume is None and self.rank == 0:
+            print(f"[dynaresize] {self.policy.start_reason}", flush=True)
         if resume is not None and self.rank == 0:
             print(f"[dynaresize] resumed from {resume.path} (iteration {resume.iteration + 1} done, "
                   f"split {self.table.describe()})", flush=True)
@@ -197,11 +200,17 @@ class Job:
         if self.table.colocated_mode:
             colocated_release(self, it)
         with self.rec.span(it, "train", self.role, batch=batch[0].batch) as ev:
-            info = self.trainer.train_step(batch)
+            grad, info = self.trainer.compute_gradient(batch)        # forward, backward, all-reduce
+            if self.cost:
+                before, step, after = self.cost.train_sync_parts(self.table.num_train)
+                self.emulate(ev, float(self.cost.train_compute_time(info["tokens"], info["micro_batches"])) + before)
+            self.trainer.resolve_pending()     # a resize's stage-in of this rank's new range, if still reading
+            ready = self.ctrl.now()
+            self.trainer.apply_gradient(grad)                        # optimizer step, all-gather
             ev["tokens"] = info["tokens"]
             ev["attrs"].update(loss=round(info["loss"], 6), grad_norm=round(info["grad_norm"], 6))
-            if self.cost:
-                self.emulate(ev, self.cost.train_time(info["tokens"], self.table.num_train, info["micro_batches"]))
+            if self.cost:                      # the step and the gather last their price after the wait
+                self.emulate(ev, ready - ev["start"] + step + after)
         if self.table.colocated_mode:
             colocated_restore(self, it)
 
@@ -229,6 +238,12 @@ class Job:
         if device_s > real:
             time.sleep(device_s - real)
         event["attrs"].update(real_s=round(real, 6), device_s=round(device_s, 6))
+
+    def emulated_until(self, start: float, op: str, price: dict):
+        """run.mode=emulate: a function that sleeps until switch operation `op`, begun at `start`,
+        has lasted its price (for work that must not be seen done sooner, e.g. a staged file)."""
+        end = start + self.cost.switch_op_time(op, **price)
+        return lambda: time.sleep(max(end - self.ctrl.now(), 0.0))
 
     def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision:
         """Gather events to rank 0, write the timeline, decide the next split, broadcast it."""
@@ -290,11 +305,22 @@ class Job:
             self.writer.close(complete=True, end_time=self.ctrl.now(),
                               groups_created_at_startup=self.registry.creations_at_startup,
                               groups_created_after_startup=self.registry.created_after_startup)
-            print(f"[dynaresize] done: timeline {os.path.join(self.run_dir, 'timeline.h5')}", flush=True)
+            self._print_closing_summary()
         self._close_engines()
         if self.ctrl.local_rank == 0:
             remove_dir(self.staging_dir)
         dist.destroy_process_group()
+
+    def _print_closing_summary(self) -> None:
+        """Rank 0, after the timeline is closed: the run in three lines, and its report."""
+        import analysis
+        from analysis.report import closing_summary
+        path = os.path.join(self.run_dir, "timeline.h5")
+        tl = analysis.load_timeline(path)
+        report = analysis.write_report(tl) if self.cfg.run.report else None
+        print(f"[dynaresize] done: timeline {path}", flush=True)
+        for line in closing_summary(tl, report).splitlines():
+            print(f"[dynaresize] {line}", flush=True)
 
     # --- rank 0 bookkeeping -------------------------------------------------------------------
     def _iteration_stats(self, it, events, generated, trained) -> IterationStats:
@@ -302,11 +328,11 @@ class Job:
         for e in events:
             if e["name"] in SWITCH_OPS and e["critical"] == CRITICAL:
                 critical[e["rank"]] = critical.get(e["rank"], 0.0) + e["end"] - e["start"]
-        lengths = [len(s.response) for s in self._new_samples]
-        return IterationStats(it, self.table.num_train, self.world, duration_max(events, "rollout"), duration_max(events, "train"),
-                              switch_time=max(critical.values(), default=0.0),
-                              mean_length=float(np.mean(lengths)) if lengths else 0.0,
-                              generated=generated is not None, trained=trained is not None)
+        return IterationStats(it, self.table.num_train, self.world, duration_max(events, "rollout"),
+                              duration_max(events, "train"), switch_time=max(critical.values(), default=0.0),
+                              generated_batch=-1 if generated is None else generated,
+                              trained_batch=-1 if trained is None else trained,
+                              lengths=batch_lengths(self._new_samples, self.cfg.rollout) if self._new_samples else None)
 
     def _write_timeline(self, it, events, start, end, generated, trained, decision: Decision) -> None:
         w = self.writer
@@ -343,6 +369,18 @@ def duration_max(events: list[dict], name: str) -> float:
         if e["name"] == name:
             per_rank[e["rank"]] = per_rank.get(e["rank"], 0.0) + e["end"] - e["start"]
     return max(per_rank.values(), default=0.0)
+
+
+def batch_lengths(samples: list[Sample], rollout) -> Lengths:
+    """The prompt and response lengths of a generated batch (sample index = prompt x group size + j)."""
+    spp = rollout.samples_per_prompt
+    prompts = max(s.prompt for s in samples) + 1
+    prompt_lens = np.zeros(prompts, dtype=np.int64)
+    response_lens = np.zeros((prompts, spp), dtype=np.int64)
+    for s in samples:
+        prompt_lens[s.prompt] = len(s.prompt_tokens)
+        response_lens[s.prompt, s.index - s.prompt * spp] = len(s.response)
+    return Lengths(prompt_lens, response_lens, min(rollout.prompts_per_batch, prompts))
 
 
 def threads_per_rank(ctrl: ControlPlane) -> int:

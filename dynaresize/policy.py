@@ -1,15 +1,16 @@
-"""Split policies: given the stage times of the last iterations, choose the next split.
+"""Split policies: given what the last iteration measured, choose the next split.
 
 One interface for the runtime and the simulator: `decide(stats) -> Decision`, where `stats` are
-the measured (or simulated) stage times of one iteration. Decisions are made on rank 0 and
+the measured (or simulated) stage times of one iteration and the lengths of the batch it generated. Decisions are made on rank 0 and
 broadcast, and every decision, kept or moved, is recorded on the timeline with its reason.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
-from .config import PolicyConfig
+from .prediction import IterationModel, LengthForecast
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,17 @@ class IterationStats:
     rollout_time: float            # slowest rollout rank's generation time (s); 0 if none ran
     train_time: float              # slowest train rank's update time (s); 0 if none ran
     switch_time: float = 0.0       # critical-path time of the switch at the start of the iteration
-    mean_length: float = 0.0       # mean response length of the batch generated
-    generated: bool = True
-    trained: bool = True
+    generated_batch: int = -1      # the batch generated in this iteration (-1: none)
+    trained_batch: int = -1        # the batch trained on (-1: none)
+    lengths: Any = None            # prediction.Lengths of the generated batch (None: not known)
+
+    @property
+    def generated(self) -> bool:
+        return self.generated_batch >= 0
+
+    @property
+    def trained(self) -> bool:
+        return self.trained_batch >= 0
 
 
 @dataclass(frozen=True)
@@ -52,11 +61,11 @@ class Decision:
 class Policy:
     name = "policy"
 
-    def __init__(self, cfg: PolicyConfig, world: int, max_lag: int = 1):
-        self.cfg, self.world, self.max_lag = cfg, world, max_lag
+    def __init__(self, job, cost=None):
+        self.cfg, self.world, self.max_lag = job.policy, job.cluster.ranks, job.run.max_lag
 
     def initial_train_ranks(self) -> int:
-        return self.cfg.train_ranks
+        return int(self.cfg.train_ranks)
 
     def decide(self, stats: IterationStats) -> Decision:
         raise NotImplementedError
@@ -106,107 +115,178 @@ class ScriptedPolicy(Policy):
 
 
 class DynamicPolicy(Policy):
-    """Move `resize_unit` ranks at a time toward the split that minimises the predicted iteration time.
+    """The split of the coming iterations, chosen from predictions (dynaresize.prediction).
 
-    Prediction: each stage's work is its smoothed time x its ranks (time ~ work / ranks); rollout work
-    is scaled by the trend of response lengths (they drift up as training proceeds). The predicted
-    iteration time is max(rollout, train) when the stages overlap (max_lag 1) and their sum when they
-    do not (max_lag 0). Hysteresis keeps it from thrashing:
-    - dead band: a relative imbalance below `dead_band` counts as balanced;
-    - patience: the same imbalance must persist `patience` iterations;
-    - cooldown: no move for `cooldown` iterations after one;
-    - a cap of `max_units_per_move` units per move;
-    - payback: the predicted gain over `horizon` iterations must exceed the predicted switch cost,
-      a running average of measured switch times (starting from `switch_cost_s`).
+    At the end of every iteration it
+    1. learns: the lengths of the batch just generated (the forecast's input), the ratio of the
+       measured to the predicted rollout and train times at the split that ran (the cost model's
+       error on this machine), and after a move the ratio of the measured to the predicted switch
+       time, per kind of move (into rollout: engines start or wake; into training: state staging);
+    2. forecasts the next `horizon` iterations (prediction.LengthForecast) and finds the best
+       split of each (IterationModel.best_split: the rollout ranks' schedules, floors included);
+    3. plans the cheapest sequence of splits over the horizon among the current split and those
+       best splits, switch costs included (a small dynamic program): a move pays only if the
+       iterations it shortens make up for its switch, and a workload that alternates is followed
+       only where switching is cheaper than staying;
+    4. moves to the plan's first split if the plan saves more than `dead_band` of the horizon's
+       predicted time over staying put, else keeps the split (hysteresis: a forecast that wobbles
+       around the optimum does not make it move back and forth).
     """
     name = "dynamic"
 
-    def __init__(self, cfg: PolicyConfig, world: int, max_lag: int = 1):
-        super().__init__(cfg, world, max_lag)
-        self.rollout_ema = self.train_ema = self.length_ema = None
-        self.length_growth = 1.0           # smoothed ratio of mean length to the previous iteration's
-        self.switch_cost = cfg.switch_cost_s
-        self.streak = 0                    # signed count of consecutive iterations out of balance
-        self.since_move = cfg.cooldown     # iterations since the last move
-        self.just_moved = False
+    def __init__(self, job, cost=None):
+        super().__init__(job, cost)
+        if cost is None:
+            raise ValueError("the dynamic policy prices splits with a cost model: give make_policy one")
+        self.model = IterationModel(cost, self.world, self.max_lag, job.trainer.micro_batch_size,
+                                    self.cfg.resize_unit)
+        r = job.rollout
+        self.forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
+        self.iterations = job.run.iterations
+        self.release_mode = r.release
+        self.network = job.staging.transport == "network" or (job.staging.transport == "auto"
+                                                             and cost.multi_node(self.world))
+        # measured / predicted: stage times, and switch times by destination (1 until measured)
+        self.scale = {"rollout": 1.0, "train": 1.0, "switch to rollout": 1.0, "switch to train": 1.0}
+        self.measured: set[str] = set()                        # which of them have a measurement
+        self.engines_from = self.world                         # ranks >= this have had an engine
+        self.last_move: tuple[str, float] | None = None        # (destination, predicted switch time)
+        self.start_reason = ""
 
-    def _smooth(self, old, new):
-        a = self.cfg.smoothing
-        return new if old is None else a * new + (1 - a) * old
+    # --- start-up ------------------------------------------------------------------------------
+    def initial_train_ranks(self) -> int:
+        if self.cfg.train_ranks != "auto":
+            k = int(self.cfg.train_ranks)
+        else:
+            sample = self.forecast.prior(0)             # steady state: generate and train such batches
+            k = self.model.best_split(lambda k: self.model.expected(sample, sample, k))
+            p = self.model.expected(sample, sample, k)
+            self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout: predicted "
+                                 f"{p.total:.3g} s an iteration (rollout {p.rollout:.3g} s, train {p.train:.3g} s) "
+                                 f"for the configured workload priced by {self.model.cm.describe()}")
+        self.engines_from = min(self.engines_from, k)
+        return k
 
-    def predict(self, k: int) -> tuple[float, float]:
-        """Predicted (rollout, train) stage times of the next iteration with k train ranks."""
-        cur = self.current_train
-        rollout_work = self.rollout_ema * (self.world - cur) * self.length_growth
-        train_work = self.train_ema * cur * self.length_growth
-        return rollout_work / (self.world - k), train_work / k
-
-    def iteration_time(self, k: int) -> float:
-        r, t = self.predict(k)
-        return max(r, t) if self.max_lag >= 1 else r + t
-
+    # --- every iteration -----------------------------------------------------------------------
     def decide(self, s: IterationStats) -> Decision:
-        self.current_train = s.train_ranks
-        self.since_move += 1
-        if self.just_moved and s.switch_time > 0:      # learn what a switch really costs
-            self.switch_cost = 0.5 * self.switch_cost + 0.5 * s.switch_time
-        self.just_moved = False
-        if not (s.generated and s.trained) or s.rollout_time <= 0 or s.train_time <= 0:
-            return self._keep(s, "warming up: not both stages ran")
+        self._learn(s)
+        nxt = s.iteration + 1
+        horizon = min(self.cfg.horizon, self.iterations + self.max_lag - nxt)
+        if horizon <= 0:
+            return self._keep(s, "last iteration")
+        plan, stay, best, first = self._plan(s.train_ranks, nxt, horizon)
+        k2 = plan[0]
+        saving = stay - best
+        p = first[k2]
+        attrs = {"predicted_s": round(p.total, 6), "best_next": min(first, key=lambda k: (first[k].total, k)),
+                 "plan": plan, "horizon": horizon, "scale_rollout": round(self.scale["rollout"], 4),
+                 "scale_train": round(self.scale["train"], 4)}
+        if k2 == s.train_ranks:
+            return self._keep(s, "plan: stay", first[k2], attrs, saving)
+        if saving <= self.cfg.dead_band * stay:
+            attrs["predicted_s"] = round(first[s.train_ranks].total, 6)
+            return self._keep(s, "saving inside the dead band", first[s.train_ranks], attrs, saving)
+        cost = self._switch_cost(s.train_ranks, k2)
+        attrs["predicted_s"] = round(p.total + cost, 6)       # the iteration after the move pays the switch
+        self.last_move = ("rollout" if k2 < s.train_ranks else "train", cost)
+        self.engines_from = min(self.engines_from, k2)
+        why = "to rollout" if k2 < s.train_ranks else "to training"
+        return Decision(s.iteration, s.train_ranks, k2, f"move {why}: plan saves {saving:.3g} s over "
+                        f"{horizon} iterations", p.rollout, p.train, saving, cost, attrs)
 
-        self.rollout_ema = self._smooth(self.rollout_ema, s.rollout_time)
-        self.train_ema = self._smooth(self.train_ema, s.train_time)
-        if s.mean_length > 0:
-            if self.length_ema is not None:
-                self.length_growth = self._smooth(self.length_growth, s.mean_length / self.length_ema)
-            self.length_ema = self._smooth(self.length_ema, s.mean_length)
+    def _learn(self, s: IterationStats) -> None:
+        if self.last_move is not None and s.switch_time > 0:
+            where, predicted = self.last_move
+            if predicted > 0:
+                self._update(f"switch to {where}", s.switch_time / predicted)
+        self.last_move = None
+        if s.lengths is not None and s.generated_batch >= 0:
+            self.forecast.observe(s.generated_batch, s.lengths)
+            if s.rollout_time > 0:
+                self._update("rollout", s.rollout_time / self.model.rollout(s.lengths, s.train_ranks))
+        trained = self.forecast.generated.get(s.trained_batch)
+        if trained is not None and s.train_time > 0 and s.switch_time == 0:     # a switch's stage-in distorts it
+            self._update("train", s.train_time / self.model.train(trained, s.train_ranks))
 
-        r, t = self.predict(s.train_ranks)
-        imbalance = (r - t) / max(r, t)               # > 0: rollout-bound, < 0: train-bound
-        direction = 1 if imbalance > 0 else -1
-        numbers = {"imbalance": round(imbalance, 4), "cost": round(self.switch_cost, 4)}
-        if abs(imbalance) < self.cfg.dead_band:
-            self.streak = 0
-            return self._keep(s, "balanced (inside dead band)", r, t, numbers)
-        self.streak = self.streak + direction if self.streak * direction > 0 else direction
-        if abs(self.streak) < self.cfg.patience:
-            return self._keep(s, f"patience {abs(self.streak)}/{self.cfg.patience}", r, t, numbers)
-        if self.since_move <= self.cfg.cooldown:
-            return self._keep(s, f"cooldown {self.since_move}/{self.cfg.cooldown}", r, t, numbers)
+    def _update(self, key: str, ratio: float) -> None:
+        """EMA of a measured / predicted ratio; the first measurement replaces the prior (1)."""
+        a = self.cfg.smoothing if key in self.measured else 1.0
+        self.scale[key] = a * ratio + (1 - a) * self.scale[key]
+        self.measured.add(key)
 
-        unit = self.cfg.resize_unit
-        # Rollout-bound: give rollout ranks (fewer train ranks); train-bound: the other way.
-        step = -unit if direction > 0 else unit
-        candidates = [s.train_ranks + step * n for n in range(1, self.cfg.max_units_per_move + 1)]
-        candidates = [k for k in candidates if unit <= k <= self.world - unit]
-        if not candidates:
-            return self._keep(s, "at the limit of the allocation", r, t, numbers)
-        now = self.iteration_time(s.train_ranks)
-        best = min(candidates, key=self.iteration_time)
-        gain = now - self.iteration_time(best)
-        horizon = self.cfg.patience + self.cfg.cooldown + 1
-        numbers.update(horizon=horizon)
-        if gain * horizon <= self.switch_cost:
-            return self._keep(s, "predicted gain below switch cost", r, t, numbers, gain)
-        self.streak, self.since_move, self.just_moved = 0, 0, True
-        why = "rollout-bound" if direction > 0 else "train-bound"
-        return Decision(s.iteration, s.train_ranks, best, f"move: {why}", r, t, gain, self.switch_cost, numbers)
+    def _plan(self, cur: int, nxt: int, horizon: int):
+        """(splits of the cheapest plan, the horizon's time staying at `cur`, the plan's time, the
+        next iteration's predictions by split)."""
+        lag, memo = self.max_lag, {}
+        steps = []
+        for j in range(nxt, nxt + horizon):
+            gen = self.forecast.forecast(j) if j < self.iterations else (None, None)
+            trn = self.forecast.forecast(j - lag) if j >= lag else (None, None)
+            steps.append((gen, trn))
 
-    def _keep(self, s, reason, r=math.nan, t=math.nan, attrs=None, gain=math.nan) -> Decision:
-        return Decision(s.iteration, s.train_ranks, s.train_ranks, reason, r, t, gain, self.switch_cost,
-                        attrs or {})
+        def predict(h: int, k: int):
+            (gen, gkey), (trn, tkey) = steps[h]
+            key = (gkey, tkey, k)
+            if key not in memo:
+                memo[key] = self.model.expected(gen, trn, k, self.scale["rollout"], self.scale["train"])
+            return memo[key]
+
+        # Candidate splits: the current one and the best of the first and the last step and of
+        # every step whose kind of batch (task, cap, size) appears first there; the best splits
+        # of the steps between lie between those (a trend moves them gradually).
+        searched, seen = {0, horizon - 1}, set()
+        for h, ((_, gkey), _) in enumerate(steps):
+            kind = gkey[:4] if gkey is not None and gkey[0] == "forecast" else gkey
+            if kind not in seen:
+                seen.add(kind)
+                searched.add(h)
+        cands = sorted({cur} | {self.model.best_split(lambda k, h=h: predict(h, k)) for h in searched})
+        # Dynamic program over the horizon. A state is (split, engines_from): a move into rollout
+        # below engines_from starts engines cold, once; later returns wake parked ones.
+        start = (cur, self.engines_from)
+        value, paths = {start: 0.0}, {start: []}
+        for h in range(horizon):
+            new_value, new_paths = {}, {}
+            for (k, e), v in value.items():
+                for k2 in cands:
+                    state = (k2, min(e, k2))
+                    total = v + self._switch_cost(k, k2, e) + predict(h, k2).total
+                    if state not in new_value or total < new_value[state]:
+                        new_value[state], new_paths[state] = total, paths[(k, e)] + [k2]
+            value, paths = new_value, new_paths
+        end = min(value, key=lambda st: (value[st], paths[st][0] != cur))
+        stay = sum(predict(h, cur).total for h in range(horizon))
+        return paths[end], stay, value[end], {k: predict(0, k) for k in cands}
+
+    def _switch_cost(self, k: int, k2: int, engines_from: int | None = None) -> float:
+        if k2 == k:
+            return 0.0
+        where = "rollout" if k2 < k else "train"
+        e = self.engines_from if engines_from is None else engines_from
+        return self.scale[f"switch to {where}"] * self.model.switch(k, k2, e, self.release_mode, self.network)
+
+    def _keep(self, s, reason, p=None, attrs=None, gain=math.nan) -> Decision:
+        return Decision(s.iteration, s.train_ranks, s.train_ranks, reason, p.rollout if p else math.nan,
+                        p.train if p else math.nan, gain, 0.0, attrs or {})
 
     def state(self) -> dict:
-        return {k: getattr(self, k) for k in ("rollout_ema", "train_ema", "length_ema", "length_growth",
-                                               "switch_cost", "streak", "since_move", "just_moved")}
+        return {"forecast": self.forecast.state(), "scale": dict(self.scale), "measured": set(self.measured),
+                "engines_from": self.engines_from, "last_move": self.last_move}
 
     def load_state(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        self.forecast.load_state(state["forecast"])
+        self.scale = dict(state["scale"])
+        self.engines_from, self.last_move = state["engines_from"], state["last_move"]
+        self.measured = set(state["measured"])
 
 
 POLICIES = {p.name: p for p in (StaticPolicy, ColocatedPolicy, ScriptedPolicy, DynamicPolicy)}
 
 
-def make_policy(cfg: PolicyConfig, world: int, max_lag: int = 1) -> Policy:
-    return POLICIES[cfg.name](cfg, world, max_lag)
+def make_policy(job, cost=None) -> Policy:
+    """The policy of job config `job` (dynaresize.config.JobConfig). `cost`: the cost model that
+    prices splits (the dynamic policy's); default: the job's hardware profile."""
+    if cost is None and job.policy.name == "dynamic":
+        from .costmodel import CostModel, job_profile
+        cost = CostModel.for_job(job, job_profile(job))
+    return POLICIES[job.policy.name](job, cost)

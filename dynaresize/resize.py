@@ -183,10 +183,12 @@ def switch(job, it: int, decision: Decision) -> None:
         else:
             path = shard_path(job.staging_dir, new.version, r)
 
-            def stage_out(shard=shard, path=path):
-                return None, write_shard(path, shard, new.version, staging.buffer_mb, staging.fsync)
-
             out_price = {"nbytes": shard_bytes(job, k)}
+
+            def stage_out(shard=shard, path=path):
+                hold = job.emulated_until(job.ctrl.now(), "stage_out", out_price) if job.cost else None
+                return None, write_shard(path, shard, new.version, staging.buffer_mb, staging.fsync, hold)
+
             if will_train:
                 plan.background("stage_out", stage_out, critical=staging.critical, price=out_price)
             else:                                    # leaving: spill now, its memory is the engine's
@@ -224,11 +226,19 @@ def switch(job, it: int, decision: Decision) -> None:
         if network:
             pending = Done(new_shard)
         else:
-            def stage_in(lo=lo, hi=hi):
-                return read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range), 3 * (hi - lo) * 4
+            in_price = {"nbytes": shard_bytes(job, k2)}
 
-            pending = plan.background("stage_in", stage_in, critical=staging.critical,
-                                      price={"nbytes": shard_bytes(job, k2)})
+            def stage_in(lo=lo, hi=hi):
+                # emulation: the read lasts its price from when the files it needs have appeared
+                finish = []
+                ready = (lambda: finish.append(job.emulated_until(job.ctrl.now(), "stage_in", in_price))
+                         if job.cost else None)
+                shard = read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range, ready)
+                for wait in finish:
+                    wait()
+                return shard, 3 * (hi - lo) * 4
+
+            pending = plan.background("stage_in", stage_in, critical=staging.critical)
         job.trainer.join(job.registry.get("train", k2), new.train_ranks(), r, pending=pending)
 
     job.registry.release_unreused(k)                 # without reuse, the old split's groups go

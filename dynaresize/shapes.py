@@ -69,12 +69,18 @@ def generated_prompts(w, batch: int, prompts_per_batch: int) -> int:
     return max(prompts_per_batch, math.ceil(oversample_factor(w, batch) * prompts_per_batch - 1e-9))
 
 
+def task_index(w, batch: int) -> int:
+    """Which entry of the mixture batch `batch` draws from (0 without a mixture): configuration,
+    known before the batch is generated, as a data loader knows which dataset it reads."""
+    return (batch // max(w.mixture_block, 1)) % len(w.mixture) if w.mixture else 0
+
+
 def task_settings(w, batch: int) -> dict:
     """The length settings of batch `batch`: the workload's, overridden by its mixture entry."""
     out = {"length_median": w.length_median, "length_sigma": w.length_sigma,
            "prompt_median": w.prompt_median, "prompt_sigma": w.prompt_sigma}
     if w.mixture:
-        out.update(w.mixture[(batch // max(w.mixture_block, 1)) % len(w.mixture)])
+        out.update(w.mixture[task_index(w, batch)])
     return out
 
 
@@ -118,4 +124,4 @@ def batch_shape(w, seed: int, batch: int, prompts_per_batch: int, samples_per_pr
 
 
 __all__ = ["BatchShape", "batch_shape", "response_cap", "max_response_cap", "oversample_factor",
-           "generated_prompts", "task_settings", "prompt_extra_tokens"]
+           "generated_prompts", "task_index", "task_settings", "prompt_extra_tokens"]

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 import zlib
+from typing import Callable
 
 import h5py
 import numpy as np
@@ -58,11 +59,14 @@ def shard_path(directory: str, version: int, rank: int) -> str:
     return os.path.join(directory, f"v{version:05d}", f"rank{rank:05d}.h5")
 
 
-def write_shard(path: str, shard: ShardState, version: int, buffer_mb: int, fsync: bool = False) -> int:
+def write_shard(path: str, shard: ShardState, version: int, buffer_mb: int, fsync: bool = False,
+                hold: Callable[[], None] | None = None) -> int:
     """Write `shard` to `path` one `buffer_mb` chunk at a time; returns the bytes written.
 
     Chunks go to the file as they are (HDF5 direct chunk writes: no selection or conversion
-    machinery), each with its CRC32; the last one is zero-padded to the chunk size.
+    machinery), each with its CRC32; the last one is zero-padded to the chunk size. `hold` is
+    called when the file is written, before it is published (renamed): run.mode=emulate holds it
+    back until the emulated disk would have written it, so readers wait as long as they would.
     """
     make_private_dir(os.path.dirname(path))
     n = shard.hi - shard.lo
@@ -84,6 +88,8 @@ def write_shard(path: str, shard: ShardState, version: int, buffer_mb: int, fsyn
         f.flush()
         if fsync:
             os.fsync(f.id.get_vfd_handle())
+    if hold is not None:
+        hold()
     os.replace(tmp, path)
     return 3 * n * 4
 
@@ -132,17 +138,23 @@ def read_range(path: str, version: int, lo: int, hi: int,
 
 
 def read_shard(directory: str, version: int, old_owners: int, numel: int, lo: int, hi: int,
-               shard_range) -> ShardState:
-    """Assemble the state of [lo, hi) from the files of the `old_owners` ranks that staged it."""
+               shard_range, ready: Callable[[], None] | None = None) -> ShardState:
+    """Assemble the state of [lo, hi) from the files of the `old_owners` ranks that staged it.
+    `ready` is called once every file needed has appeared, before reading (emulation prices the
+    read from there)."""
     out = {name: np.empty(hi - lo, np.float32) for name in STATE_FIELDS}
-    step = 0
+    parts = []
     for q in range(old_owners):
         q_lo, q_hi = shard_range(numel, old_owners, q)
         a, b = max(lo, q_lo), min(hi, q_hi)
-        if a >= b:
-            continue
-        path = shard_path(directory, version, q)
+        if a < b:
+            parts.append((shard_path(directory, version, q), a, b))
+    for path, _, _ in parts:
         wait_for(path)
+    if ready is not None:
+        ready()
+    step = 0
+    for path, a, b in parts:
         _, step = read_range(path, version, a, b, {name: out[name][a - lo:b - lo] for name in STATE_FIELDS})
     tensors = {name: torch.from_numpy(out[name]) for name in STATE_FIELDS}
     return ShardState(lo, hi, tensors["params"], tensors["exp_avg"], tensors["exp_avg_sq"], step)

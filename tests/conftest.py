@@ -16,8 +16,13 @@ def _env() -> dict[str, str]:
     return mpi_env()
 
 
-def run_cli(run_dir, *overrides, timeout=240, check=True, entry="dynaresize.cli") -> subprocess.CompletedProcess:
-    """`dynaresize <overrides>` with its Hydra run directory at `run_dir`."""
+def run_cli(run_dir, *overrides, timeout=240, check=True, entry="dynaresize.cli",
+            pin_policy=True) -> subprocess.CompletedProcess:
+    """`dynaresize <overrides>` with its Hydra run directory at `run_dir`. Unless the overrides
+    choose a policy (or pin_policy=False), the run is static: the default policy (dynamic) moves
+    ranks on measured stage times, so its splits would depend on how busy the machine is."""
+    if pin_policy and not any(o.startswith("policy=") for o in overrides):
+        overrides = ("policy=static", *overrides)
     cmd = [sys.executable, "-m", entry, f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
     if check and proc.returncode != 0:
@@ -43,7 +48,15 @@ def run_ranks(n: int, scenario: str, *args, timeout=240, check=True) -> subproce
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
-    """One default `dynaresize` run (4 ranks), shared by the tests that inspect its outputs."""
+    """The README's `dynaresize` with no arguments (dynamic policy, 4 ranks, 12 iterations)."""
     run_dir = tmp_path_factory.mktemp("default_run")
-    proc = run_cli(run_dir)
+    proc = run_cli(run_dir, pin_policy=False)
+    return run_dir, proc
+
+
+@pytest.fixture(scope="session")
+def static_run(tmp_path_factory):
+    """A static 2T/2R run of 8 iterations: the reference other tests compare with."""
+    run_dir = tmp_path_factory.mktemp("static_run")
+    proc = run_cli(run_dir, "policy.train_ranks=2", "run.iterations=8")
     return run_dir, proc

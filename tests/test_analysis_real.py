@@ -15,8 +15,8 @@ def analyze(*args, timeout=180):
                           text=True, timeout=timeout, cwd=ROOT, env=_env())
 
 
-def test_report_of_a_real_run(default_run):
-    run_dir, _ = default_run
+def test_report_of_a_real_run(static_run):
+    run_dir, _ = static_run
     proc = analyze(run_dir)
     assert proc.returncode == 0, proc.stderr
     report = run_dir / "report"
@@ -35,7 +35,7 @@ def test_report_of_a_real_run(default_run):
 def test_compare_over_a_real_multirun(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "dynaresize.cli", "-m", "policy=static,dynamic", "policy.train_ranks=1,3",
-           "run.iterations=4", "policy.switch_cost_s=0.01", "policy.patience=1", "policy.cooldown=0",
+           "run.iterations=4",
            f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]

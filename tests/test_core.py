@@ -17,8 +17,8 @@ def scenario_result(proc) -> dict:
     return json.loads(line[3:])
 
 
-def test_default_run_records_every_rank_every_iteration(default_run):
-    run_dir, proc = default_run
+def test_static_run_records_every_rank_every_iteration(static_run):
+    run_dir, proc = static_run
     assert "iter   9/9" in proc.stdout, proc.stdout          # one progress line per iteration
     with h5py.File(run_dir / "timeline.h5", "r") as f:
         assert bool(f.attrs["complete"])
@@ -36,6 +36,22 @@ def test_default_run_records_every_rank_every_iteration(default_run):
     assert set(trained["rank"]) == {0, 1} and len(trained) == 2 * 8
     assert len(samples) == 8 * 32 and set(samples["rank"]) == {2, 3}
     assert (run_dir / "config.yaml").exists()
+
+
+def test_default_run_shows_the_dynamic_policy_at_work(default_run):
+    """The README's first command: the dynamic policy on long-tailed, growing responses starts
+    from the cost model's split, resizes at least once and closes with a summary and a report."""
+    run_dir, proc = default_run
+    out = proc.stdout
+    assert "policy.train_ranks=auto:" in out, out
+    with h5py.File(run_dir / "timeline.h5", "r") as f:
+        decisions = f["decisions"][...]
+        assert bool(f.attrs["complete"]) and f.attrs["policy"] == "dynamic"
+    resizes = int((decisions["action"] == b"move").sum())
+    assert resizes >= 1
+    assert f"{resizes} resizes" in out and "bubbles: train" in out and "hidden" in out, out
+    assert f"report: {run_dir / 'report'}" in out and f"dynaresize-analyze {run_dir}" in out, out
+    assert (run_dir / "report" / "gantt.png").exists() and (run_dir / "report" / "prediction.png").exists()
 
 
 def test_final_model_loads_with_transformers(default_run):

@@ -32,8 +32,9 @@ import numpy as np
 
 from .. import __version__
 from ..costmodel import CostModel
-from ..placement import assign_micro_batches, place_prompts
+from ..placement import place_prompts
 from ..policy import Decision, IterationStats, make_policy
+from ..prediction import IterationModel, Lengths, Prediction
 from ..shapes import BatchShape, batch_shape
 from ..timeline import schema
 from ..timeline.writer import TimelineWriter
@@ -115,18 +116,18 @@ class Simulator:
         total_samples = self.prompts * self.spp * self.iterations
         self.record_samples = setup.options.samples == "yes" or (setup.options.samples == "auto"
                                                                   and total_samples <= SAMPLE_ROWS_LIMIT)
-        self._predictions: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._predictions: dict[tuple[int, int], Prediction] = {}
+        self.model = IterationModel(self.cm, self.W, self.lag, self.mbs, cfg.policy.resize_unit)
 
         name = cfg.policy.name
         self.colocated = name == "colocated"
         self.free_switch = name == "oracle"
-        if name == "oracle":
-            self.policy = OraclePolicy(cfg.policy, self.W, self.lag, self)
-        else:
-            self.policy = make_policy(cfg.policy, self.W, self.lag)
+        self.policy = OraclePolicy(cfg, self) if name == "oracle" else make_policy(cfg, self.cm)
         self.k = self.W if self.colocated else self.policy.initial_train_ranks()
-        if name == "oracle":                 # the config records the split the run started with
+        if name in ("oracle", "dynamic"):    # the config records the split the run started with
             cfg.policy.train_ranks = self.k
+        if getattr(self.policy, "start_reason", "") and setup.options.progress:
+            print(f"[dynaresize-sim] {self.policy.start_reason}", flush=True)
         self.version = 0
         # a rank that left rollout keeps its released engine (resize.switch: parked) for its return
         self.parked = np.zeros(self.W, dtype=bool)
@@ -163,16 +164,6 @@ class Simulator:
     def train_ranks(self) -> np.ndarray:
         return np.arange(self.W) if self.colocated else np.arange(self.k)
 
-    def train_work(self, b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, micro-batches) of each of k train ranks for batch b: the trained samples in
-        index order, cut into micro-batches, spread by placement.assign_micro_batches (trainer)."""
-        shape = self.batch(b)
-        n = shape.trained_prompts
-        tok = (shape.prompt_lens[:n, None] + shape.response_lens[:n]).ravel().astype(np.float64)
-        mb_tok = np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
-        owner = assign_micro_batches(mb_tok, k)
-        return np.bincount(owner, weights=mb_tok, minlength=k), np.bincount(owner, minlength=k).astype(np.float64)
-
     def exchanged_tokens(self, b: int | None) -> float:
         if b is None:
             return 0.0
@@ -180,30 +171,17 @@ class Simulator:
         return float(shape.prompt_lens.sum() * self.spp + shape.response_lens.sum())
 
     # --- the oracle's prediction ---------------------------------------------------------------
-    def predict(self, it: int, k: int) -> tuple[float, float, float]:
-        """(iteration time, rollout time, train time) of iteration `it` with k train ranks, with
-        no noise and no switch (the oracle's view)."""
+    def predict(self, it: int, k: int) -> Prediction:
+        """Iteration `it` with k train ranks, priced with its true batches, no noise and no switch
+        (the oracle's view)."""
         key = (it, k)
-        if key in self._predictions:
-            return self._predictions[key]
-        cm, W = self.cm, self.W
-        gen = it if it < self.iterations else None
-        trn = it - self.lag if it >= self.lag else None
-        roll = train = sync = 0.0
-        if gen is not None:
-            shape, R = self.batch(gen), W - k
-            roll = float(cm.rollout_times(place_prompts(shape.prompt_lens, R), shape.prompt_lens,
-                                          shape.response_lens, R).max())
-        if trn is not None:
-            tok, mb = self.train_work(trn, k)
-            train = float(np.max(cm.train_compute_time(tok, mb))) + cm.train_sync_time(k)
-            sync = cm.weight_sync_time(cm.weight_bytes, 1 + W - k, multi_node=cm.multi_node(W))
-        exch = cm.exchange_time(self.exchanged_tokens(gen), W)
-        total = (max(roll, train) if self.lag >= 1 else roll + train) + exch + sync + cm.iteration_overhead()
-        self._predictions[key] = (total, roll, train)
-        if len(self._predictions) > 20000:
-            self._predictions.clear()
-        return total, roll, train
+        if key not in self._predictions:
+            gen = Lengths.of(self.batch(it)) if it < self.iterations else None
+            trn = Lengths.of(self.batch(it - self.lag)) if it >= self.lag else None
+            if len(self._predictions) > 20000:
+                self._predictions.clear()
+            self._predictions[key] = self.model.iteration(gen, trn, k)
+        return self._predictions[key]
 
     # --- one iteration -----------------------------------------------------------------------
     def run(self) -> str:
@@ -266,7 +244,7 @@ class Simulator:
         train = it - self.lag if it >= self.lag else None
 
         # rollout
-        rollout_time, mean_length = 0.0, 0.0
+        rollout_time, lengths = 0.0, None
         if generate is not None:
             shape = self.batch(generate)
             rr = self.rollout_ranks()
@@ -277,7 +255,7 @@ class Simulator:
             ev.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens)
             t[rr] += dur
             rollout_time = float(dur.max())
-            mean_length = float(shape.response_lens.mean())
+            lengths = Lengths.of(shape)
             if self.record_samples:
                 self.rows["samples"].append(self.sample_rows(it, generate, shape, rr[assign]))
         if self.lag == 0:
@@ -308,7 +286,8 @@ class Simulator:
             "trained_batch": -1 if train is None else train,
             "generated_batch": -1 if generate is None else generate})
         stats = IterationStats(it, self.k, W, rollout_time, train_time, switch_time=float(critical.max()),
-                               mean_length=mean_length, generated=generate is not None, trained=train is not None)
+                               generated_batch=-1 if generate is None else generate,
+                               trained_batch=-1 if train is None else train, lengths=lengths)
         decision = self.policy.decide(stats)
         self.rows["decisions"].append(decision.row(self.version + int(decision.moves)))
         if self.options.progress:
@@ -431,7 +410,7 @@ class Simulator:
         if self.colocated:
             self.op(it, t, roles, tr, "release",
                     cm.switch_op_time("release", release_mode=self.release_mode) * self._noise(K), critical)
-        tok, mb = self.train_work(b, K)
+        tok, mb = self.model.train_work(Lengths.of(self.batch(b)), K)
         common = self._noise()
         compute = cm.train_compute_time(tok, mb) * common
         before, opt, after = (x * common for x in cm.train_sync_parts(K))

@@ -51,6 +51,8 @@ def run_specs(base: dict) -> dict[str, dict]:
         specs[f"static_{u:02d}"] = spec
     dyn = copy.deepcopy(base)
     dyn["policy"]["name"] = "dynamic"
+    dyn["policy"]["train_ranks"] = "auto"
+    dyn["sim"]["train_units"] = 0
     specs["dynamic"] = dyn
     coloc = copy.deepcopy(base)
     coloc["policy"]["name"] = "colocated"

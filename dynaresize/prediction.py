@@ -1,0 +1,226 @@
+"""What the next iterations will take on each split: the one prediction that the dynamic policy,
+the oracle (dynaresize.sim) and the start-up choice of a split (`policy.train_ranks=auto`) share.
+
+- `IterationModel` prices one iteration of a split with the cost model, the way the simulator
+  runs it: the rollout ranks' list schedules (prompts placed by placement.place_prompts, so the
+  slowest rank is floored by the longest sequences it holds and by its queue), the train ranks'
+  micro-batches (placement.assign_micro_batches) with every pass the trainer runs, the exchange and
+  the weight sync. The stages overlap with max_lag 1 (the iteration lasts the longer) and add up
+  with max_lag 0. It also prices a switch between two splits (its critical path).
+- `LengthForecast` says what a batch not generated yet will look like, from what a real system
+  knows: the lengths of the batches already generated (per task of a mixture), their trend, and the
+  configuration (the response cap of each batch, how many prompts a batch has, which task it is).
+  It never reads a batch's hidden response lengths before the batch is generated.
+
+The oracle gives IterationModel the true batches (it knows the future); the dynamic policy gives it
+the forecast ones and corrects the cost model by the ratio of measured to predicted stage times.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .costmodel import CostModel
+from .placement import assign_micro_batches, place_prompts
+from .shapes import batch_shape, generated_prompts, response_cap, task_index
+
+EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
+NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
+TREND_WINDOW = 10     # batches of a task whose mean lengths give its growth trend
+ENSEMBLE = 4          # recent batches of a task a forecast replays (their predictions are averaged)
+_PRIOR_STREAM = 0x70726972    # "prir": the configured workload's sample batch (not a real batch)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The lengths of one batch: what pricing it needs."""
+    prompt_lens: np.ndarray      # (prompts,)
+    response_lens: np.ndarray    # (prompts, samples per prompt)
+    trained_prompts: int         # the trainer takes prompt groups 0 .. trained_prompts - 1
+
+    @classmethod
+    def of(cls, shape) -> "Lengths":
+        return cls(np.asarray(shape.prompt_lens), np.asarray(shape.response_lens), int(shape.trained_prompts))
+
+    @property
+    def prompts(self) -> int:
+        return len(self.prompt_lens)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    total: float                 # the iteration, switch excluded
+    rollout: float               # the slowest rollout rank
+    train: float                 # the slowest train rank, synchronisation included
+
+
+class IterationModel:
+    """Prices iterations and switches of a job of `world` ranks (see the module docstring)."""
+
+    def __init__(self, cm: CostModel, world: int, max_lag: int, micro_batch_size: int, resize_unit: int = 1):
+        self.cm, self.world, self.lag, self.mbs = cm, world, max_lag, micro_batch_size
+        unit = max(resize_unit, 1)
+        self.candidates = list(range(unit, world - unit + 1, unit))
+        # The train group's collectives leave the node above gpus_per_node ranks: train time jumps
+        # there, so the split just below is a candidate of every search.
+        inside = [k for k in self.candidates if k <= cm.gpus_per_node]
+        self.node_split = inside[-1] if cm.gpus_per_node > 0 and inside else None
+
+    def rollout(self, batch: Lengths, k: int) -> float:
+        R = self.world - k
+        assign = place_prompts(batch.prompt_lens, R)
+        return float(self.cm.rollout_times(assign, batch.prompt_lens, batch.response_lens, R).max())
+
+    def train_work(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, micro-batches) of each of k train ranks: the trained samples in index order,
+        cut into micro-batches, spread by placement.assign_micro_batches (as the trainer does)."""
+        n = batch.trained_prompts
+        tok = (batch.prompt_lens[:n, None] + batch.response_lens[:n]).ravel().astype(np.float64)
+        mb_tok = np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
+        owner = assign_micro_batches(mb_tok, k)
+        return np.bincount(owner, weights=mb_tok, minlength=k), np.bincount(owner, minlength=k).astype(np.float64)
+
+    def train(self, batch: Lengths, k: int) -> float:
+        tok, mb = self.train_work(batch, k)
+        return float(np.max(self.cm.train_compute_time(tok, mb))) + self.cm.train_sync_time(k)
+
+    def iteration(self, generate: Lengths | None, train: Lengths | None, k: int,
+                  rollout_scale: float = 1.0, train_scale: float = 1.0) -> Prediction:
+        """One iteration with k train ranks that generates `generate` and trains on `train` (either
+        may be None); the stage times are multiplied by the given corrections."""
+        cm, W = self.cm, self.world
+        roll = self.rollout(generate, k) * rollout_scale if generate is not None else 0.0
+        trn = sync = 0.0
+        if train is not None:
+            trn = self.train(train, k) * train_scale
+            sync = cm.weight_sync_time(cm.weight_bytes, 1 + W - k, multi_node=cm.multi_node(W))
+        tokens = 0.0 if generate is None else float(generate.prompt_lens.sum() * generate.response_lens.shape[1]
+                                                    + generate.response_lens.sum())
+        stages = max(roll, trn) if self.lag >= 1 else roll + trn
+        total = stages + cm.exchange_time(tokens, W) + sync + cm.iteration_overhead()
+        return Prediction(total, roll, trn)
+
+    def expected(self, generate: list[Lengths] | None, train: list[Lengths] | None, k: int,
+                 rollout_scale: float = 1.0, train_scale: float = 1.0) -> Prediction:
+        """`iteration` averaged over equally likely batches (a forecast's ensemble)."""
+        gens, trns = generate or [None], train or [None]
+        n = max(len(gens), len(trns))
+        ps = [self.iteration(gens[i % len(gens)], trns[i % len(trns)], k, rollout_scale, train_scale)
+              for i in range(n)]
+        return Prediction(*(float(np.mean(x)) for x in zip(*((p.total, p.rollout, p.train) for p in ps))))
+
+    def best_split(self, predict: Callable[[int], Prediction]) -> int:
+        """The candidate split with the shortest predicted iteration (ties: fewer train ranks).
+
+        With overlapping stages (max_lag 1) the iteration lasts about max(rollout, train): rollout
+        time grows with the train ranks and train time shrinks, so the best split sits where they
+        cross. Beyond EXHAUSTIVE candidates, bisect for the crossing (a few evaluations, never a
+        sweep of the splits whose few rollout ranks queue thousands of sequences), then search
+        NEIGHBOURS candidates on each side of it, and the largest split whose train group fits in
+        a node (train time is not monotone there)."""
+        cands = self.candidates
+        window = range(len(cands))
+        if len(cands) > EXHAUSTIVE and self.lag >= 1:
+            lo, hi = 0, len(cands) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                p = predict(cands[mid])
+                lo, hi = (lo, mid) if p.rollout >= p.train else (mid + 1, hi)
+            window = list(range(max(lo - NEIGHBOURS, 0), min(lo + NEIGHBOURS, len(cands) - 1) + 1))
+            if self.node_split is not None:
+                window.append(cands.index(self.node_split))
+        return cands[min(window, key=lambda i: (predict(cands[i]).total, i))]
+
+    def switch(self, k: int, k2: int, engines_from: int, release_mode: str, network: bool) -> float:
+        """Critical path of a switch from k to k2 train ranks (resize.switch): the slowest moving
+        rank's commit, memory hand-over and weight load. Ranks >= `engines_from` that train now
+        hold a parked engine (they generated before); the others start one cold."""
+        if k2 == k:
+            return 0.0
+        cm, W = self.cm, self.world
+        t = cm.switch_op_time("commit", ranks=W) + cm.switch_op_time("group_switch")
+        state = (cm.switch_op_time("reshard", nbytes=3 * 4 * cm.numel, ranks=max(k, k2), broadcasts=k) if network
+                 else cm.switch_op_time("stage_out", nbytes=cm.shard_bytes(k)))
+        if k2 > k:        # into training: release the engine, get train rank 0's weights (stage-in overlaps)
+            t += cm.switch_op_time("release", release_mode=release_mode)
+            t += cm.switch_op_time("weight_load", nbytes=cm.weight_bytes, ranks=k2)
+            return t + (state if network else 0.0)
+        cold = k2 < engines_from                     # some leaving rank never had an engine
+        start = cm.switch_op_time("engine_start", restore=not cold, release_mode=release_mode)
+        return t + state + start + cm.switch_op_time("weight_load", nbytes=cm.weight_bytes)
+
+
+class LengthForecast:
+    """The batches of the coming iterations, from the batches generated so far (see the module
+    docstring). Per task of a mixture (tasks rotate by a configured schedule), the forecast of a
+    batch is an ensemble: the task's last ENSEMBLE generated batches, each grown by the task's
+    trend over the batches between (a least-squares slope of log mean length over the last
+    TREND_WINDOW) and cut at the forecast batch's configured cap. A rollout's time is floored by
+    its longest sequences, which differ from batch to batch: a prediction averaged over several
+    batches estimates the expected time, where one batch would chase the noise of its tail. A task
+    not seen yet is a sample of the configured workload (drawn with a seed of its own, not the
+    real batches)."""
+
+    def __init__(self, workload, seed: int, prompts_per_batch: int, samples_per_prompt: int):
+        self.w, self.seed, self.ppb, self.spp = workload, seed, prompts_per_batch, samples_per_prompt
+        self.generated: dict[int, Lengths] = {}          # recent generated batches, by index
+        self.recent: dict[int, deque] = {}                # task -> (batch index, lengths), newest last
+        self.trend: dict[int, deque] = {}                 # task -> (batch index, log mean length)
+
+    def observe(self, b: int, batch: Lengths) -> None:
+        task = task_index(self.w, b)
+        self.generated[b] = batch
+        for old in [x for x in self.generated if x < b - 2]:
+            del self.generated[old]
+        self.recent.setdefault(task, deque(maxlen=ENSEMBLE)).append((b, batch))
+        mean = float(batch.response_lens.mean()) if batch.response_lens.size else 0.0
+        if mean > 0:
+            self.trend.setdefault(task, deque(maxlen=TREND_WINDOW)).append((b, math.log(mean)))
+
+    def growth(self, task: int) -> float:
+        """The task's log growth of mean length per batch (0 until three batches are seen)."""
+        points = self.trend.get(task, ())
+        if len(points) < 3:
+            return 0.0
+        x, y = np.array(points).T
+        return float(np.polyfit(x, y, 1)[0])
+
+    def prior(self, b: int) -> list[Lengths]:
+        """ENSEMBLE samples of the configured workload at batch b (start-up, tasks not seen yet)."""
+        return [Lengths.of(batch_shape(self.w, self.seed + _PRIOR_STREAM + i, b, self.ppb, self.spp))
+                for i in range(ENSEMBLE)]
+
+    def forecast(self, b: int) -> tuple[list[Lengths], tuple]:
+        """(the forecast of batch b: one or more equally likely batches, a key: equal keys,
+        equal forecasts)."""
+        if b in self.generated:
+            return [self.generated[b]], ("generated", b)
+        task = task_index(self.w, b)
+        if task not in self.recent:
+            return self.prior(b), ("prior", b)
+        growth, cap = self.growth(task), response_cap(self.w, b)
+        n = generated_prompts(self.w, b, self.ppb)
+        members, key = [], []
+        for b0, seen in self.recent[task]:
+            scale = math.exp(growth * (b - b0))
+            rows = np.arange(n) % seen.prompts        # a batch of another size repeats the rows seen
+            lens = np.clip(np.round(seen.response_lens[rows] * scale), 1, cap).astype(np.int64)
+            members.append(Lengths(seen.prompt_lens[rows], lens, min(self.ppb, n)))
+            key.append((b0, round(scale, 2)))
+        return members, ("forecast", task, cap, n, *key)
+
+    def state(self) -> dict:
+        return {"generated": self.generated, "recent": {t: list(d) for t, d in self.recent.items()},
+                "trend": {t: list(d) for t, d in self.trend.items()}}
+
+    def load_state(self, state: dict) -> None:
+        self.generated = dict(state["generated"])
+        self.recent = {t: deque(d, maxlen=ENSEMBLE) for t, d in state["recent"].items()}
+        self.trend = {t: deque(d, maxlen=TREND_WINDOW) for t, d in state["trend"].items()}
+
+
+__all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast"]
