@@ -320,9 +320,9 @@ def validate(cfg: JobConfig) -> None:
          "use policy=static, colocated, dynamic or scripted (policy.name=oracle only in dynaresize-sim)")
     need(p.resize_unit >= 1 and c.ranks % max(p.resize_unit, 1) == 0, "policy.resize_unit",
          f"{p.resize_unit} does not divide cluster.ranks={c.ranks}", "use a divisor of the rank count")
-    auto = p.train_ranks == "auto"
-    need(isinstance(p.train_ranks, int) or (auto and p.name == "dynamic"), "policy.train_ranks",
-         f"is {p.train_ranks!r}", "give a number of train ranks" + (" or auto" if p.name == "dynamic" else ""))
+    chooses = p.name in ("dynamic", "oracle", "colocated")     # pick their own start (or use every rank)
+    need(isinstance(p.train_ranks, int) or (p.train_ranks == "auto" and chooses), "policy.train_ranks",
+         f"is {p.train_ranks!r}", "give a number of train ranks" + (" or auto" if chooses else ""))
     if p.name != "colocated" and c.ranks >= 2 and isinstance(p.train_ranks, int):
         need(1 <= p.train_ranks <= c.ranks - 1, "policy.train_ranks",
              f"is {p.train_ranks}, outside 1..{c.ranks - 1} (cluster.ranks - 1)",
