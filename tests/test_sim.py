@@ -20,8 +20,19 @@ from dynaresize.timeline import schema
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def baseline(overrides) -> list[str]:
+    """The tests' reference config: a static split and 8 iterations unless the overrides say
+    otherwise (the defaults are the README's demo: dynamic, 12 iterations)."""
+    out = list(overrides)
+    if not any(o.startswith(("policy=", "policy.name=")) for o in out):
+        out.insert(0, "policy=static")
+    if not any(o.startswith("run.iterations=") for o in out):
+        out.insert(0, "run.iterations=8")
+    return out
+
+
 def run(tmp_path, name="run", *overrides, **kw):
-    return simulate(setup_from_overrides(list(overrides)), tmp_path / name, **kw)
+    return simulate(setup_from_overrides(baseline(overrides)), tmp_path / name, **kw)
 
 
 def read(path):
@@ -48,7 +59,7 @@ def test_simulated_samples_are_the_runtimes_batches(tmp_path):
     over = ["run.iterations=3", "rollout.prompts_per_batch=10", "workload.sample_sigma=0.4",
             "workload.prompt_median=20", "workload.prompt_sigma=0.5", "workload.prompt_max=40",
             "model.max_position=300"]
-    setup = setup_from_overrides(over)
+    setup = setup_from_overrides(baseline(over))
     s = read(simulate(setup, tmp_path / "w"))[1]["samples"]
     cfg = setup.cfg
     for b in range(3):
@@ -117,7 +128,7 @@ def test_synchronous_pipeline(tmp_path):
 
 def test_stage_times_are_the_cost_models(tmp_path):
     """The simulator prices a rank's rollout with CostModel.rollout_time, the API the emulation uses."""
-    setup = setup_from_overrides(["run.iterations=4", "rollout.prompts_per_batch=12"])
+    setup = setup_from_overrides(baseline(["run.iterations=4", "rollout.prompts_per_batch=12"]))
     attrs, data = read(simulate(setup, tmp_path / "run"))
     cm = CostModel.for_job(setup.cfg, setup.profile)
     s = data["samples"]

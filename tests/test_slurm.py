@@ -53,7 +53,7 @@ def test_submitit_job_runs_4_ranks(tmp_path):
 def test_hydra_multirun_on_slurm_makes_one_job_per_point(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "dynaresize.cli", "-m", "hydra/launcher=submitit_slurm",
-           "policy.train_ranks=1,2", "run.iterations=2", f"hydra.sweep.dir={sweep}"]
+           "policy=static", "policy.train_ranks=1,2", "run.iterations=2", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = [d for d in os.listdir(sweep / ".submitit") if re.fullmatch(r"\d+_\d+", d)]
