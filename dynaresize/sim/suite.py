@@ -76,7 +76,24 @@ def _simulate(job: tuple[dict, str]) -> dict:
     first = its[its["iteration"] < PILOT_ITERATIONS]
     metrics = analysis.run_metrics(tl)
     metrics["pilot_tokens_per_s"] = float(first["tokens"].sum() / first["span_s"].sum())
+    metrics["turns"] = direction_changes(its["train_ranks"].tolist())
     return metrics
+
+
+def direction_changes(splits: list[int]) -> int:
+    """How often a sequence of splits reverses direction (more train ranks, then fewer, ...)."""
+    steps = [b > a for a, b in zip(splits, splits[1:]) if b != a]
+    return sum(1 for a, b in zip(steps, steps[1:]) if a != b)
+
+
+def acceptance(r, dynamic: dict) -> dict:
+    """The dynamic policy's figures of merit from a workload's throughputs `r` (row -> x hindsight
+    static): against the oracle, the share of the oracle's gain over the pilot split it captures,
+    and its resizes and reversals of direction."""
+    gain = r["oracle"] / r["static, pilot"] - 1
+    return {"dynamic_vs_oracle": r["dynamic"] / r["oracle"],
+            "captured": (r["dynamic"] / r["static, pilot"] - 1) / gain if gain > 1e-9 else math.nan,
+            "resizes": dynamic["resizes"], "turns": dynamic["turns"]}
 
 
 def bound(spec: dict) -> dict:
@@ -231,13 +248,15 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                         f"bound {r['bound']:.3f}  x hindsight static  ({time.perf_counter() - t0:.0f} s, "
                         f"{time.perf_counter() - started:.0f} s in all)")
                     summary.append({"hardware": hw, "ranks": n, "workload": w,
-                                    **{row: float(r[row]) for row in ROWS}})
+                                    **{row: float(r[row]) for row in ROWS}, **acceptance(r, metrics["dynamic"])})
                 both = pd.concat(tables)
                 both.to_csv(os.path.join(folder, "tables.csv"), index=False)
     df = pd.DataFrame(summary)
     df.to_csv(os.path.join(out, "summary.csv"), index=False)
     with open(os.path.join(out, "summary.md"), "w") as f:
-        f.write("Throughput relative to the hindsight-best static split (same seed and cost model per row).\n\n")
+        f.write("Throughput relative to the hindsight-best static split (same seed and cost model per row); "
+                "dynamic_vs_oracle, the share of the oracle's gain over the pilot split that dynamic captures, "
+                "and the dynamic run's resizes and reversals of direction (turns).\n\n")
         f.write(markdown(df) + "\n")
     log(f"[suite] done in {time.perf_counter() - started:.0f} s: {out}/summary.md, per workload table.md/.csv/.png")
     return df
