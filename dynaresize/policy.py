@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .prediction import IterationModel, LengthForecast
+import numpy as np
+
+from .prediction import IterationModel, LengthForecast, Prediction
 
 
 @dataclass(frozen=True)
@@ -158,12 +160,21 @@ class DynamicPolicy(Policy):
         if self.cfg.train_ranks != "auto":
             k = int(self.cfg.train_ranks)
         else:
-            sample = self.forecast.prior(0)             # steady state: generate and train such batches
-            k = self.model.best_split(lambda k: self.model.expected(sample, sample, k))
-            p = self.model.expected(sample, sample, k)
+            # Steady state over one period of the workload's tasks (one batch without a mixture):
+            # each iteration generates a batch of the period and trains the one before it.
+            w = self.forecast.w
+            period = len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1
+            samples = [self.forecast.prior(b) for b in range(min(period, self.iterations))]
+
+            def predict(k: int):
+                ps = [self.model.expected(samples[b], samples[b - 1], k) for b in range(len(samples))]
+                return Prediction(*(float(np.mean(x)) for x in zip(*((p.total, p.rollout, p.train) for p in ps))))
+            k = self.model.best_split(predict)
+            p = predict(k)
             self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout: predicted "
                                  f"{p.total:.3g} s an iteration (rollout {p.rollout:.3g} s, train {p.train:.3g} s) "
-                                 f"for the configured workload priced by {self.model.cm.describe()}")
+                                 f"for the configured workload priced by {self.model.cm.describe()}"
+                                 + (f", averaged over its {len(samples)} tasks" if len(samples) > 1 else ""))
         self.engines_from = min(self.engines_from, k)
         return k
 

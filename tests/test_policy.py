@@ -185,3 +185,16 @@ def test_scripted_and_static():
     assert scripted.decide(IterationStats(5, 2, 4, 1, 1)).to_train == 2          # the last entry holds
     static = make_policy(cfg(name="static", train_ranks=2))
     assert not static.decide(IterationStats(3, 2, 4, 9.0, 0.1)).moves
+
+
+def test_auto_start_of_a_mixture_weighs_every_task():
+    # Long and short tasks alternate: the start is the best split for the mix, not for task 0.
+    mixture = {"mixture": [{"length_median": 3000}, {"length_median": 200}], "mixture_block": 1}
+    cfg = job(train_ranks="auto", workload=mixture)
+    policy = DynamicPolicy(cfg, cost(cfg))
+    k = policy.initial_train_ranks()
+    assert "averaged over its 2 tasks" in policy.start_reason
+    long, short = policy.forecast.prior(0), policy.forecast.prior(1)
+    model = policy.model
+    mixed = {c: model.expected(long, short, c).total + model.expected(short, long, c).total for c in model.candidates}
+    assert mixed[k] == min(mixed.values())
