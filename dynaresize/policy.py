@@ -169,7 +169,7 @@ class DynamicPolicy(Policy):
             def predict(k: int):
                 ps = [self.model.expected(samples[b], samples[b - 1], k) for b in range(len(samples))]
                 return Prediction(*(float(np.mean(x)) for x in zip(*((p.total, p.rollout, p.train) for p in ps))))
-            k = self.model.best_split(predict)
+            k = self.model.best_split(predict, exhaustive=len(samples) > 1)
             p = predict(k)
             self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout: predicted "
                                  f"{p.total:.3g} s an iteration (rollout {p.rollout:.3g} s, train {p.train:.3g} s) "

@@ -113,7 +113,7 @@ class IterationModel:
               for i in range(n)]
         return Prediction(*(float(np.mean(x)) for x in zip(*((p.total, p.rollout, p.train) for p in ps))))
 
-    def best_split(self, predict: Callable[[int], Prediction]) -> int:
+    def best_split(self, predict: Callable[[int], Prediction], exhaustive: bool = False) -> int:
         """The candidate split with the shortest predicted iteration (ties: fewer train ranks).
 
         With overlapping stages (max_lag 1) the iteration lasts about max(rollout, train): rollout
@@ -121,10 +121,11 @@ class IterationModel:
         cross. Beyond EXHAUSTIVE candidates, bisect for the crossing (a few evaluations, never a
         sweep of the splits whose few rollout ranks queue thousands of sequences), then search
         NEIGHBOURS candidates on each side of it, and the largest split whose train group fits in
-        a node (train time is not monotone there)."""
+        a node (train time is not monotone there). `exhaustive`: evaluate every candidate (an
+        average over different batches need not have one crossing)."""
         cands = self.candidates
         window = range(len(cands))
-        if len(cands) > EXHAUSTIVE and self.lag >= 1:
+        if len(cands) > EXHAUSTIVE and self.lag >= 1 and not exhaustive:
             lo, hi = 0, len(cands) - 1
             while lo < hi:
                 mid = (lo + hi) // 2
