@@ -10,8 +10,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .prediction import IterationModel, LengthForecast, Prediction
 
 
@@ -167,8 +165,8 @@ class DynamicPolicy(Policy):
             samples = [self.forecast.prior(b) for b in range(min(period, self.iterations))]
 
             def predict(k: int):
-                ps = [self.model.expected(samples[b], samples[b - 1], k) for b in range(len(samples))]
-                return Prediction(*(float(np.mean(x)) for x in zip(*((p.total, p.rollout, p.train) for p in ps))))
+                return Prediction.mean([self.model.expected(samples[b], samples[b - 1], k)
+                                        for b in range(len(samples))])
             k = self.model.best_split(predict, exhaustive=len(samples) > 1)
             p = predict(k)
             self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout: predicted "

@@ -57,6 +57,11 @@ class Prediction:
     rollout: float               # the slowest rollout rank
     train: float                 # the slowest train rank, synchronisation included
 
+    @staticmethod
+    def mean(predictions: list["Prediction"]) -> "Prediction":
+        """The average of equally likely predictions."""
+        return Prediction(*(float(np.mean(x)) for x in zip(*((p.total, p.rollout, p.train) for p in predictions))))
+
 
 class IterationModel:
     """Prices iterations and switches of a job of `world` ranks (see the module docstring)."""
@@ -109,9 +114,8 @@ class IterationModel:
         """`iteration` averaged over equally likely batches (a forecast's ensemble)."""
         gens, trns = generate or [None], train or [None]
         n = max(len(gens), len(trns))
-        ps = [self.iteration(gens[i % len(gens)], trns[i % len(trns)], k, rollout_scale, train_scale)
-              for i in range(n)]
-        return Prediction(*(float(np.mean(x)) for x in zip(*((p.total, p.rollout, p.train) for p in ps))))
+        return Prediction.mean([self.iteration(gens[i % len(gens)], trns[i % len(trns)], k, rollout_scale,
+                                               train_scale) for i in range(n)])
 
     def best_split(self, predict: Callable[[int], Prediction], exhaustive: bool = False) -> int:
         """The candidate split with the shortest predicted iteration (ties: fewer train ranks).

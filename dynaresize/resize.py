@@ -229,13 +229,12 @@ def switch(job, it: int, decision: Decision) -> None:
             in_price = {"nbytes": shard_bytes(job, k2)}
 
             def stage_in(lo=lo, hi=hi):
-                # emulation: the read lasts its price from when the files it needs have appeared
-                finish = []
-                ready = (lambda: finish.append(job.emulated_until(job.ctrl.now(), "stage_in", in_price))
-                         if job.cost else None)
+                holds = []          # emulation: the read lasts its price from when its files exist
+                ready = (lambda: holds.append(job.emulated_until(job.ctrl.now(), "stage_in", in_price))) \
+                    if job.cost else None
                 shard = read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range, ready)
-                for wait in finish:
-                    wait()
+                for hold in holds:
+                    hold()
                 return shard, 3 * (hi - lo) * 4
 
             pending = plan.background("stage_in", stage_in, critical=staging.critical)
