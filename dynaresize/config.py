@@ -7,8 +7,12 @@ error names the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
+import json
+import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -182,18 +186,87 @@ def load_config(raw: DictConfig | dict) -> JobConfig:
     raw = OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"]) if "hydra" in raw else raw
     unknown = unknown_fields(OmegaConf.to_container(raw, resolve=False), JobConfig)
     if unknown:
-        raise ConfigError("invalid configuration:\n" + "\n".join(
-            f"  {name}: unknown field. Fix: check the spelling against dynaresize/config.py "
-            f"(or drop the override)." for name in unknown))
+        raise ConfigError("invalid configuration:\n" + "\n".join(unknown_field_problem(name) for name in unknown))
     try:
         merged = OmegaConf.merge(OmegaConf.structured(JobConfig), raw)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"config field '{key}': {e.msg if hasattr(e, 'msg') else e}. "
-                          f"Fix the value (see conf/ for the defaults and their types).") from None
+        raise ConfigError("invalid configuration:\n" + omegaconf_problem(e)) from None
     validate(cfg)
     return cfg
+
+
+def schema_field(key: str) -> tuple[str, Any, Any]:
+    """What the schema says about dotted `key` (`trainer.lr`, `trainer.betas[0]`): (kind, type,
+    default) with kind "field" (a typed field), "mapping" (a key inside a free-form dict field such
+    as cluster.sbatch_extra, or hardware), "hydra" (Hydra's own settings) or "unknown"."""
+    parts = [p for p in re.sub(r"\[\d+\]", "", key).split(".") if p]
+    if parts[:1] == ["hydra"]:
+        return "hydra", None, None
+    node_type, node = JobConfig, JobConfig()
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(node_type) if dataclasses.is_dataclass(node_type) else {}
+        if part not in hints:
+            return "unknown", None, None
+        tp, node = hints[part], getattr(node, part)
+        if dataclasses.is_dataclass(tp):
+            node_type = tp
+            continue
+        if i < len(parts) - 1:          # below a non-dataclass field: a dict's own keys
+            free = tp is dict or typing.get_origin(tp) is dict or dict in typing.get_args(tp) or any(
+                typing.get_origin(a) is dict for a in typing.get_args(tp))
+            return ("mapping" if free else "unknown"), None, None
+        return "field", tp, node
+    return "field", node_type, node
+
+
+def type_name(tp: Any) -> str:
+    """`float`, `list[int]`, `str or null` ... as a user writes them."""
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(type_name(a) for a in args) + (" or null" if len(args) < len(typing.get_args(tp)) else "")
+    if typing.get_origin(tp) is None and isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def unknown_field_problem(key: str) -> str:
+    """The line of an invalid configuration that reports unknown key `key`, with the likely fix."""
+    kind, _, _ = schema_field(key)
+    if kind == "mapping":
+        return (f"  {key}: not a key of the mapping yet. Fix: add it with +{key}=VALUE "
+                f"(new keys of a free-form mapping need the + prefix).")
+    if kind == "hydra":
+        return (f"  {key}: unknown Hydra setting. Fix: check the spelling against `dynaresize --cfg hydra` "
+                f"(or drop the override).")
+    parent, _, leaf = key.rpartition(".")
+    kind, tp, _ = schema_field(parent) if parent else ("field", JobConfig, None)
+    names = [f.name for f in dataclasses.fields(tp)] if kind == "field" and dataclasses.is_dataclass(tp) else []
+    close = difflib.get_close_matches(leaf, names, n=1, cutoff=0.6)
+    if close:
+        return (f"  {key}: unknown field. Fix: write {parent + '.' if parent else ''}{close[0]} (the closest "
+                f"field; every field is in dynaresize/config.py).")
+    return (f"  {key}: unknown field. Fix: check the spelling against dynaresize/config.py "
+            f"(or drop the override).")
+
+
+def omegaconf_problem(e: OmegaConfBaseException, key: Optional[str] = None) -> str:
+    """The line of an invalid configuration for OmegaConf's error `e` (a wrong type, a key the
+    schema does not have), naming the field and the fix."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    key = getattr(e, "full_key", None) or key or "?"
+    if isinstance(e, (ConfigAttributeError, ConfigKeyError)) and "not in" in str(getattr(e, "msg", e)):
+        return unknown_field_problem(key)
+    problem = str(getattr(e, "msg", None) or e).strip().splitlines()[0].rstrip(".")
+    kind, tp, default = schema_field(key)
+    if kind == "field" and not dataclasses.is_dataclass(tp):
+        fix = f"give a value of type {type_name(tp)} (the default is {default!r})"
+    elif kind == "field":
+        fix = f"set the fields of {key} (key.field=value), or choose a preset of its config group"
+    else:
+        fix = "correct the value (see conf/ and dynaresize/config.py for the fields and their types)"
+    return f"  {key}: {problem}. Fix: {fix}."
 
 
 def unknown_fields(raw: dict, schema, prefix: str = "") -> list[str]:
@@ -236,13 +309,45 @@ def validate(cfg: JobConfig) -> None:
     need(c.ranks >= 2, "cluster.ranks", f"is {c.ranks}; rollout and training need at least one rank each",
          "use cluster.ranks=2 or more")
     if c.local_scratch is not None:
-        need(os.path.isdir(os.path.expandvars(c.local_scratch)), "cluster.local_scratch",
-             f"directory {c.local_scratch!r} does not exist", "create it or leave it unset")
+        scratch = os.path.expandvars(c.local_scratch)
+        if os.path.exists(scratch) and not os.path.isdir(scratch):
+            need(False, "cluster.local_scratch", f"{c.local_scratch!r} is a file, not a directory",
+                 "give a directory (staging writes a folder per job inside it), or leave it unset")
+        else:
+            need(os.path.isdir(scratch), "cluster.local_scratch",
+                 f"directory {c.local_scratch!r} does not exist", "create it or leave it unset")
+    # The device must exist where the ranks run: here for launcher=local; for srun and slurm the
+    # GPUs are on the compute nodes, which this process cannot see. The simulator uses none.
+    if c.device == "cuda" and c.launcher == "local" and run.mode != "simulate":
+        need(cuda_available(), "cluster.device",
+             "is cuda but torch sees no GPU on this machine (torch.cuda.is_available() is false) and "
+             "launcher=local runs the ranks here", "use cluster.device=cpu, or run where a GPU is visible")
 
+    try:
+        longest = w.prompt_max + w.digits_max + prompt_extra_tokens(w.task) + max_response_cap(w)
+    except (TypeError, ValueError):      # a malformed length_max_schedule, reported below
+        longest = 0
     if m.path is not None:
-        need(os.path.isfile(os.path.join(m.path, "config.json")), "model.path",
+        config_json = os.path.join(m.path, "config.json")
+        need(os.path.isfile(config_json), "model.path",
              f"{m.path!r} is not a Hugging Face checkpoint directory (no config.json)",
              "point it at a directory written by save_pretrained, or unset it for the tiny model")
+        if os.path.isfile(config_json) and run.mode != "simulate":
+            try:
+                with open(config_json) as f:
+                    hf = json.load(f)
+                positions = hf.get("max_position_embeddings", hf.get("n_positions")) if isinstance(hf, dict) else None
+            except (OSError, ValueError) as e:
+                positions = None
+                need(False, "model.path", f"{config_json} cannot be read as JSON ({e})",
+                     "point model.path at an intact checkpoint written by save_pretrained")
+            if isinstance(positions, int) and not isinstance(positions, bool):
+                need(longest <= positions, "model.path",
+                     f"the checkpoint's max_position_embeddings ({positions}, in {config_json}) is shorter than "
+                     f"the longest prompt plus response ({longest}: workload.prompt_max + digits_max + "
+                     f"{prompt_extra_tokens(w.task)} + the largest length_max); generation would run past "
+                     f"the model's positions", "lower workload.length_max (and its schedule) or "
+                     "workload.prompt_max, or use a model with more positions")
     else:
         need(m.hidden_size > 0 and m.num_heads > 0 and m.hidden_size % m.num_heads == 0, "model.hidden_size",
              f"{m.hidden_size} is not divisible by model.num_heads={m.num_heads}", "choose a multiple of num_heads")
@@ -254,12 +359,15 @@ def validate(cfg: JobConfig) -> None:
              f"{m.num_kv_heads} does not divide num_heads={m.num_heads}", "use a divisor of num_heads")
         need(m.num_layers >= 1, "model.num_layers", f"is {m.num_layers}", "use 1 or more")
         if run.mode != "simulate":        # the simulator prices hardware.model, not this one
-            longest = w.prompt_max + w.digits_max + prompt_extra_tokens(w.task) + max_response_cap(w)
             need(longest <= m.max_position, "model.max_position",
                  f"{m.max_position} is shorter than the longest prompt plus response ({longest})",
                  "raise model.max_position or lower workload.length_max (and its schedule)")
     need(m.dtype in ("float32", "bfloat16", "float16"), "model.dtype", f"unknown dtype {m.dtype!r}",
          "use float32, bfloat16 or float16")
+    if run.mode != "simulate":            # the simulator only prices the dtype's bytes
+        need(not (m.dtype == "float16" and c.device == "cpu"), "model.dtype",
+             "float16 on cluster.device=cpu: torch's CPU kernels for half precision are missing or "
+             "slow", "use model.dtype=bfloat16 or float32 on CPU (float16 needs cluster.device=cuda)")
 
     need(w.task in ("reverse", "sort", "add"), "workload.task", f"unknown task {w.task!r}",
          "use reverse, sort or add")
@@ -290,6 +398,12 @@ def validate(cfg: JobConfig) -> None:
         need(not ok or entry.get("prompt_median", 0) == 0 or w.prompt_max >= 1, f"workload.mixture[{i}]",
              "sets prompt_median but workload.prompt_max is 0", "give workload.prompt_max")
     need(w.mixture_block >= 1, "workload.mixture_block", f"is {w.mixture_block}", "use 1 or more batches per task")
+    # shapes.batch_shape: median = length_median * (1 + growth) ** batch, whose log is drawn from;
+    # -1 < growth < 0 shrinks responses each batch, -1 or less would make the median 0 or negative.
+    need(math.isfinite(w.length_growth) and w.length_growth > -1, "workload.length_growth",
+         f"is {w.length_growth}; the median response length is multiplied by (1 + length_growth) each "
+         f"batch, so it must stay above -1", "use e.g. 0.05 (grow 5 % a batch), 0 (stationary) or -0.02 "
+         "(shrink 2 % a batch)")
 
     need(r.engine in ("torch", "vllm"), "rollout.engine", f"unknown engine {r.engine!r}", "use torch or vllm")
     if r.engine == "vllm":
@@ -314,6 +428,15 @@ def validate(cfg: JobConfig) -> None:
     need(t.grad_reduce_dtype in ("float32", "float64"), "trainer.grad_reduce_dtype",
          f"unknown {t.grad_reduce_dtype!r}", "use float64 (split-invariant) or float32")
     need(0 < t.clip_ratio < 1, "trainer.clip_ratio", f"is {t.clip_ratio}", "use a value in (0, 1), e.g. 0.2")
+    # torch.optim.AdamW (trainer.py) refuses these only once the ranks have started.
+    betas = list(t.betas) if isinstance(t.betas, (list, tuple)) else [t.betas]
+    need(len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas), "trainer.betas",
+         f"is {betas}; AdamW takes two decay rates in [0, 1)", "give two values, e.g. [0.9,0.999]")
+    need(math.isfinite(t.eps) and t.eps > 0, "trainer.eps", f"is {t.eps}", "use a small positive value, e.g. 1e-8")
+    need(math.isfinite(t.weight_decay) and t.weight_decay >= 0, "trainer.weight_decay", f"is {t.weight_decay}",
+         "use 0 (none) or a positive value, e.g. 0.01")
+    need(t.grad_clip >= 0, "trainer.grad_clip", f"is {t.grad_clip}; it is the largest gradient norm kept",
+         "use a positive norm, e.g. 1.0, or 0 to turn clipping off")
 
     need(p.name in ("static", "colocated", "dynamic", "scripted") or (p.name == "oracle" and run.mode == "simulate"),
          "policy.name", f"unknown policy {p.name!r}",
@@ -343,6 +466,17 @@ def validate(cfg: JobConfig) -> None:
              "list valid splits")
     if p.name == "scripted":
         need(len(p.schedule) > 0, "policy.schedule", "is empty", "list the split of each iteration, e.g. [1,1,3,3]")
+        # The loop runs run.iterations + run.max_lag iterations (the last max_lag only train); the
+        # last entry holds once the schedule ends, so a shorter schedule is fine.
+        total = run.iterations + run.max_lag
+        need(len(p.schedule) <= total, "policy.schedule",
+             f"has {len(p.schedule)} entries but the run has only {total} iterations (run.iterations + "
+             f"run.max_lag): the splits after the {total}th would never be used",
+             f"list at most {total} splits, or raise run.iterations")
+    else:
+        need(not p.schedule, "policy.schedule",
+             f"is {list(p.schedule)} but policy.name is {p.name}: only the scripted policy reads it, so it "
+             f"would be ignored", "use policy=scripted, or drop policy.schedule")
     need(0 < p.smoothing <= 1, "policy.smoothing", f"is {p.smoothing}", "use a value in (0, 1]")
     need(p.dead_band >= 0, "policy.dead_band", f"is {p.dead_band}", "use a share >= 0, e.g. 0.01")
     need(p.horizon >= 1, "policy.horizon", f"is {p.horizon}", "look ahead at least 1 iteration, e.g. 8")
@@ -366,4 +500,10 @@ def validate(cfg: JobConfig) -> None:
 
     if errors:
         raise ConfigError("invalid configuration:\n" + "\n".join(errors))
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a GPU here (torch is imported only for cluster.device=cuda)."""
+    import torch
+    return bool(torch.cuda.is_available())
 

@@ -27,7 +27,7 @@ from .resize import colocated_release, colocated_restore, switch
 from .roles import RoleTable
 from .placement import place_prompts, placement_lists
 from .rollout.base import GroupRequest, make_engine
-from .staging import job_staging_dir, remove_dir
+from .staging import RUN_ID_ENV, job_staging_dir, make_private_dir, new_run_id, remove_dir
 from .timeline.recorder import Recorder
 from .timeline.schema import CRITICAL, SWITCH_OPS
 from .timeline.writer import TimelineWriter
@@ -55,7 +55,10 @@ class Job:
         self.cost = model if emulate else None     # emulation: stages last what the profile's device would take
         self.policy = make_policy(cfg, model)      # the dynamic policy prices splits with the same model
         self.status_path = os.path.join(self.run_dir, ".ranks", f"rank-{self.rank:05d}")
-        self.staging_dir = job_staging_dir(cfg.cluster.local_scratch, self.run_dir)
+        # The run id binds staged files to this job (a leftover of another run is never read as ours).
+        self.run_id = ctrl.bcast((os.environ.get(RUN_ID_ENV) or new_run_id()) if self.rank == 0 else None)
+        self.staging_dir = job_staging_dir(cfg.cluster.local_scratch, self.run_id)
+        make_private_dir(self.staging_dir)
         self.staged_files: list[str] = []
         self.background_ops: list = []
         colocated = cfg.policy.name == "colocated"
@@ -64,6 +67,7 @@ class Job:
         self.checkpoint_requested = False
         resume = ctrl.bcast(checkpoint.find_resume(self.run_dir) if self.rank == 0 else None)
 
+        self.set_status("startup")
         with self.rec.span(-1, "startup", "none") as ev:
             self.registry = GroupRegistry(self.world, cfg.policy.resize_unit, cfg.staging.reuse_groups)
             self.model_dir = self._shared_model_dir()
@@ -76,8 +80,12 @@ class Job:
             self.registry.ensure(self.table.num_train)
             self.layout = FlatLayout.of(model_skeleton(self.model_dir))
             weights = checkpoint.load_flat_params(resume, self.layout.numel) if resume else None
+            if self.table.generates(self.rank):
+                self.set_status("engine_start (startup)")
             self.engine = self._start_engine(weights) if self.table.generates(self.rank) else None
             self.parked_engine = None         # a released engine kept for the rank's return to rollout
+            if self.table.trains(self.rank):
+                self.set_status("trainer_start (startup)")
             self.trainer = self._start_trainer(weights, resume) if self.table.trains(self.rank) else None
             ev["attrs"]["groups"] = self.registry.creations
 
@@ -135,10 +143,10 @@ class Job:
         return self.table.role_of(self.rank).value
 
     def set_status(self, text: str) -> None:
-        """What this rank is doing, for the launcher's report if the job dies (one small file)."""
-        os.makedirs(os.path.dirname(self.status_path), exist_ok=True)
-        with open(self.status_path, "w") as f:
-            f.write(text)
+        """What this rank is doing, for the launcher's report if the job dies (one small file,
+        replaced atomically: a reader never finds it empty)."""
+        from .launch.failure import write_status
+        write_status(self.status_path, text, self.rank)
 
     def staging_transport(self, train_block: int) -> str:
         """file when the ranks that exchange state share a node (and its scratch), else network."""
@@ -174,6 +182,7 @@ class Job:
         requests = [GroupRequest(prompts[i], tuple(sample_seed(seed, batch, i, j)
                                                    for j in range(r.samples_per_prompt)),
                                  first_index=i * r.samples_per_prompt) for i in mine]
+        self.set_status(f"rollout (iteration {it}, batch {batch}, {self.table.describe()})")
         with self.rec.span(it, "rollout", self.role, batch=batch, groups=len(mine)) as ev:
             generations = self.engine.generate(requests, r.temperature)
             ev["tokens"] = sum(len(g.tokens) for group in generations for g in group)
@@ -186,6 +195,7 @@ class Job:
 
     def exchange(self, it: int, samples: list[Sample]) -> list[Sample]:
         """Hand the generated samples to every rank (control plane); returns the whole batch."""
+        self.set_status(f"exchange (iteration {it}, {self.table.describe()}, {self.role})")
         with self.rec.span(it, "exchange", self.role):
             parts = self.ctrl.allgather(samples)
         batch = sorted((s for part in parts for s in part), key=lambda s: s.index)
@@ -199,6 +209,7 @@ class Job:
         batch = [s for s in batch if s.index < self.cfg.batch_size]
         if self.table.colocated_mode:
             colocated_release(self, it)
+        self.set_status(f"train (iteration {it}, batch {batch[0].batch}, {self.table.describe()})")
         with self.rec.span(it, "train", self.role, batch=batch[0].batch) as ev:
             grad, info = self.trainer.compute_gradient(batch)        # forward, backward, all-reduce
             if self.cost:
@@ -221,6 +232,8 @@ class Job:
         group = self.registry.get("sync", self.table.num_train)
         if self.rank != 0 and not self.table.generates(self.rank):
             return
+        self.set_status(f"weight_sync (iteration {it}, {self.table.describe()}, "
+                        f"{'sending' if self.rank == 0 else 'receiving'})")
         with self.rec.span(it, "weight_sync", self.role) as ev:
             flat = self.trainer.flat if self.rank == 0 else torch.empty(self.layout.numel, device=self.device)
             dist.broadcast(flat, src=0, group=group)
@@ -248,6 +261,7 @@ class Job:
     def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision:
         """Gather events to rank 0, write the timeline, decide the next split, broadcast it."""
         self.settle_background()
+        self.set_status(f"end_iteration (iteration {it}: gathering events, deciding the next split)")
         report = (self._t_begin, self.ctrl.now(), self.rec.take(), self.preemption.requested)
         reports = self.ctrl.gather(report)
         decision, requested = None, False
@@ -282,6 +296,7 @@ class Job:
             self.writer.close(complete=False)
         self._close_engines()
         dist.destroy_process_group()
+        self.set_status("finished (suspended after a checkpoint, to be resumed)")
 
     def _close_engines(self) -> None:
         for engine in (self.engine, self.parked_engine):
@@ -296,6 +311,7 @@ class Job:
 
     def finish(self) -> None:
         self.settle_background()
+        self.set_status("finish (saving the model, closing the timeline)")
         self._remove_staged_files()
         if self.rank == 0 and self.cfg.run.save_model:
             final = os.path.join(self.run_dir, "final_model")
@@ -310,6 +326,7 @@ class Job:
         if self.ctrl.local_rank == 0:
             remove_dir(self.staging_dir)
         dist.destroy_process_group()
+        self.set_status("finished")
 
     def _print_closing_summary(self) -> None:
         """Rank 0, after the timeline is closed: the run in three lines, and its report."""

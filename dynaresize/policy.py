@@ -71,7 +71,7 @@ class Policy:
         raise NotImplementedError
 
     def state(self) -> dict:
-        """What a checkpoint must hold to resume the policy exactly."""
+        """What a checkpoint must hold to resume the policy exactly, as plain data (JSON)."""
         return {}
 
     def load_state(self, state: dict) -> None:
@@ -279,13 +279,14 @@ class DynamicPolicy(Policy):
                         p.train if p else math.nan, gain, 0.0, attrs or {})
 
     def state(self) -> dict:
-        return {"forecast": self.forecast.state(), "scale": dict(self.scale), "measured": set(self.measured),
-                "engines_from": self.engines_from, "last_move": self.last_move}
+        return {"forecast": self.forecast.state(), "scale": dict(self.scale), "measured": sorted(self.measured),
+                "engines_from": self.engines_from, "last_move": list(self.last_move) if self.last_move else None}
 
     def load_state(self, state: dict) -> None:
         self.forecast.load_state(state["forecast"])
         self.scale = dict(state["scale"])
-        self.engines_from, self.last_move = state["engines_from"], state["last_move"]
+        self.engines_from = state["engines_from"]
+        self.last_move = tuple(state["last_move"]) if state["last_move"] else None
         self.measured = set(state["measured"])
 
 

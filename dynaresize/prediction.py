@@ -50,6 +50,16 @@ class Lengths:
     def prompts(self) -> int:
         return len(self.prompt_lens)
 
+    def to_data(self) -> dict:
+        return {"prompt_lens": self.prompt_lens.tolist(), "response_lens": self.response_lens.tolist(),
+                "trained_prompts": self.trained_prompts}
+
+    @classmethod
+    def from_data(cls, d: dict) -> "Lengths":
+        return cls(np.asarray(d["prompt_lens"], np.int64),
+                   np.asarray(d["response_lens"], np.int64).reshape(len(d["prompt_lens"]), -1),
+                   int(d["trained_prompts"]))
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -219,13 +229,16 @@ class LengthForecast:
         return members, ("forecast", task, cap, n, *key)
 
     def state(self) -> dict:
-        return {"generated": self.generated, "recent": {t: list(d) for t, d in self.recent.items()},
-                "trend": {t: list(d) for t, d in self.trend.items()}}
+        """What was observed, as plain data (JSON): lists of [batch or task, ...] pairs."""
+        return {"generated": [[b, x.to_data()] for b, x in self.generated.items()],
+                "recent": [[t, [[b, x.to_data()] for b, x in d]] for t, d in self.recent.items()],
+                "trend": [[t, [list(p) for p in d]] for t, d in self.trend.items()]}
 
     def load_state(self, state: dict) -> None:
-        self.generated = dict(state["generated"])
-        self.recent = {t: deque(d, maxlen=ENSEMBLE) for t, d in state["recent"].items()}
-        self.trend = {t: deque(d, maxlen=TREND_WINDOW) for t, d in state["trend"].items()}
+        self.generated = {int(b): Lengths.from_data(x) for b, x in state["generated"]}
+        self.recent = {int(t): deque(((int(b), Lengths.from_data(x)) for b, x in d), maxlen=ENSEMBLE)
+                       for t, d in state["recent"]}
+        self.trend = {int(t): deque((tuple(p) for p in d), maxlen=TREND_WINDOW) for t, d in state["trend"]}
 
 
 __all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast"]

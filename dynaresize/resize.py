@@ -187,7 +187,7 @@ def switch(job, it: int, decision: Decision) -> None:
 
             def stage_out(shard=shard, path=path):
                 hold = job.emulated_until(job.ctrl.now(), "stage_out", out_price) if job.cost else None
-                return None, write_shard(path, shard, new.version, staging.buffer_mb, staging.fsync, hold)
+                return None, write_shard(path, shard, new.version, staging.buffer_mb, job.run_id, staging.fsync, hold)
 
             if will_train:
                 plan.background("stage_out", stage_out, critical=staging.critical, price=out_price)
@@ -232,7 +232,7 @@ def switch(job, it: int, decision: Decision) -> None:
                 holds = []          # emulation: the read lasts its price from when its files exist
                 ready = (lambda: holds.append(job.emulated_until(job.ctrl.now(), "stage_in", in_price))) \
                     if job.cost else None
-                shard = read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range, ready)
+                shard = read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range, job.run_id, ready)
                 for hold in holds:
                     hold()
                 return shard, 3 * (hi - lo) * 4

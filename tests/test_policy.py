@@ -4,6 +4,8 @@ previous one, trained) on the split the policy chose, so the policy sees measure
 the batches ahead. H100 profile (Qwen2.5-7B), 16 ranks, one step off-policy."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -166,12 +168,13 @@ def test_learns_the_cost_models_error_and_the_switch_cost():
     assert policy.scale["switch to rollout"] == pytest.approx(3.0) and policy.scale["switch to train"] == 1.0
 
 
-def test_state_round_trip_resumes_identically():
+def test_state_round_trip_through_json_resumes_identically():
+    """A checkpoint holds the policy's state as data (JSON), not pickled objects."""
     cfg = job()
     a, b = DynamicPolicy(cfg, cost(cfg)), DynamicPolicy(cfg, cost(cfg))
     batches = [batch(500 * 1.05 ** i, seed=i) for i in range(6)]
     closed_loop(a, batches[:5], 8)
-    b.load_state(a.state())
+    b.load_state(json.loads(json.dumps(a.state())))
     s = IterationStats(5, 8, WORLD, 50.0, 40.0, generated_batch=5, trained_batch=4, lengths=batches[5])
     assert a.decide(s) == b.decide(s)
 

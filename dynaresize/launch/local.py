@@ -8,8 +8,8 @@ import sys
 import threading
 
 from ..config import JobConfig
-from ..staging import job_staging_dir, remove_dir
-from .failure import explain_failure
+from ..staging import RUN_ID_ENV, job_staging_dir, new_run_id, remove_dir
+from .failure import RankWatch, clear_statuses, explain_failure
 
 
 def find_mpiexec(name: str) -> str:
@@ -37,7 +37,16 @@ def mpi_env() -> dict[str, str]:
 
 def run_and_watch(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
     """Run `cmd`, passing its output through, and keep its lines for a failure report."""
+    code, lines, _ = run_watching_ranks(cmd, env)
+    return code, lines
+
+
+def run_watching_ranks(cmd: list[str], env: dict[str, str],
+                       ranks: int = 0) -> tuple[int, list[str], list[tuple[float, int]]]:
+    """`run_and_watch`, and with `ranks` > 0 also the order in which the ranks that `cmd` starts
+    on this machine end ([(time, rank)], RankWatch): the first is the cause of a failure."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    watch = RankWatch(proc.pid, ranks).start() if ranks > 0 else None
     lines: list[str] = []
 
     def pump(src, dst):
@@ -50,10 +59,13 @@ def run_and_watch(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
              threading.Thread(target=pump, args=(proc.stderr, sys.stderr))]
     for t in pumps:
         t.start()
-    code = proc.wait()
+    try:
+        code = proc.wait()
+    finally:
+        exits = watch.stop() if watch is not None else []
     for t in pumps:
         t.join()
-    return code, lines
+    return code, lines, exits
 
 
 def launch(cfg: JobConfig, config_path: str) -> int:
@@ -63,12 +75,23 @@ def launch(cfg: JobConfig, config_path: str) -> int:
         cmd += ["--oversubscribe", "--bind-to", "none"]   # more ranks than cores is fine for CPU runs
     cmd += list(cfg.cluster.mpiexec_args) + [sys.executable, "-m", "dynaresize.worker", config_path]
     print(f"[dynaresize] starting {cfg.cluster.ranks} ranks: {' '.join(cmd)}", flush=True)
+    clear_statuses(cfg.run.output_dir)   # an earlier run's, in a resumed run's directory
+    run_id = new_run_id()                # the ranks' staging directory is named after it
     try:
-        code, lines = run_and_watch(cmd, mpi_env())
+        code, lines, exits = run_watching_ranks(cmd, {**mpi_env(), RUN_ID_ENV: run_id}, cfg.cluster.ranks)
     finally:                         # a rank that died cannot clean up its staged state
-        remove_dir(job_staging_dir(cfg.cluster.local_scratch, cfg.run.output_dir))
+        remove_dir(job_staging_dir(cfg.cluster.local_scratch, run_id))
     if code != 0:
-        why = explain_failure(lines, cfg.run.output_dir)
+        why = explain_failure(lines, cfg.run.output_dir, exits)
         if why:
             print(f"dynaresize: {why}", file=sys.stderr, flush=True)
+        # Rank 0 killed while it wrote the timeline (a few ms an iteration) leaves the file marked
+        # as open for writing, which plain h5py refuses; every rank has ended, so it is mended here.
+        from ..timeline.writer import repair_timeline
+        try:
+            repaired = repair_timeline(os.path.join(cfg.run.output_dir, "timeline.h5"))
+        except (OSError, ValueError) as e:         # TimelineError is a ValueError
+            repaired = f"could not repair the timeline: {e}"
+        if repaired:
+            print(f"[dynaresize] {repaired}", file=sys.stderr, flush=True)
     return code

@@ -263,7 +263,7 @@ def check_torch_engine_release_restore(device: str) -> dict:
 def check_staging_from_gpu(device: str) -> dict:
     """A ShardState of 3 x 89.5M float32 (1.07 GB) on the GPU, staged to local disk and read back.
     The range starts at an odd offset and ends mid-chunk, as a rank's range of the flat vector does."""
-    from dynaresize.staging import read_range, remove_dir, scratch_root, shard_path, write_shard
+    from dynaresize.staging import new_run_id, read_range, remove_dir, scratch_root, shard_path, write_shard
     from dynaresize.trainer import ShardState
 
     n = 89_478_487 if device == "cuda" else 2_000_003
@@ -272,15 +272,16 @@ def check_staging_from_gpu(device: str) -> dict:
     fields = [torch.randn(n, generator=gen, device=device) for _ in range(3)]
     shard = ShardState(lo, lo + n, *fields, step=7)
     directory = tempfile.mkdtemp(prefix="dynaresize-gpu-check-staging-", dir=scratch_root(None))
+    run_id = new_run_id()
     try:
         path = shard_path(directory, version, 0)
         sync(device)
         t0 = time.perf_counter()
-        nbytes = write_shard(path, shard, version, buffer_mb=4)   # the StagingConfig default
+        nbytes = write_shard(path, shard, version, buffer_mb=4, run_id=run_id)   # the StagingConfig default
         t_write = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        arrays, step = read_range(path, version, lo, lo + n)
+        arrays, step = read_range(path, version, lo, lo + n, run_id)
         back = [torch.from_numpy(arrays[name]).to(device) for name in ("params", "exp_avg", "exp_avg_sq")]
         sync(device)
         t_read = time.perf_counter() - t0
@@ -288,7 +289,7 @@ def check_staging_from_gpu(device: str) -> dict:
         expect(all(torch.equal(a, b) for a, b in zip(fields, back)), "staged state differs from the original")
 
         a, b = lo + 12_345, lo + n - 777        # a sub-range whose ends fall inside chunks
-        part, _ = read_range(path, version, a, b)
+        part, _ = read_range(path, version, a, b, run_id)
         expect(torch.equal(torch.from_numpy(part["exp_avg"]).to(device), fields[1][a - lo:b - lo]),
                "a sub-range read back differs from the original")
         return {"GB": gb(nbytes), "write_GB/s": gb(nbytes) / t_write, "read_GB/s": gb(nbytes) / t_read,

@@ -1,0 +1,389 @@
+"""Fault campaign, items 6 and 8: real ranks, real signals.
+
+6 (blame): a rank killed with SIGKILL during training, weight sync or engine start makes the job
+exit non-zero soon after, and the launcher names that rank and what it was doing, not a peer that
+called MPI_Abort after it. The rank status file is replaced atomically, so a reader never finds it
+empty. A rank is killed by the fault-injection hook of the status file
+(dynaresize.launch.failure.KILL_AT_STATUS_ENV): it SIGKILLs itself right after it writes the status
+the test names, so what it was doing is known.
+
+8 (crashed timelines): a run killed with SIGKILL (every process of it, launcher included) leaves a
+timeline that plain h5py.File(path, "r") opens, holding every iteration the run reported done, and
+dynaresize-analyze reads it; a writer killed while it holds the file is repaired.
+
+The four jobs start together (module fixture) so the file lasts about as long as the slowest one.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import h5py
+import pytest
+
+from conftest import ROOT, _env
+
+COMMON = ["policy=static", "run.report=false", "run.save_model=false"]
+# name: (rank killed, the status it is killed at, overrides). Ranks [0, train_ranks) train, rank 0
+# sends the weights to the rollout ranks.
+KILLS = {
+    "train": (1, "train (iteration 2", ["cluster.ranks=3", "policy.train_ranks=2", "run.iterations=4"]),
+    "weight_sync": (0, "weight_sync (iteration 1", ["cluster.ranks=2", "policy.train_ranks=1", "run.iterations=3"]),
+    "engine_start": (1, "engine_start", ["cluster.ranks=2", "policy.train_ranks=1", "run.iterations=2"]),
+}
+JOB_TIMEOUT_S = 200        # the four jobs share two cores; each alone takes about 20 s
+EXIT_AFTER_KILL_S = 30     # a job must end this soon after one of its ranks was killed
+
+
+def cli(run_dir, *overrides) -> list[str]:
+    return [sys.executable, "-m", "dynaresize.cli", f"hydra.run.dir={run_dir}", *COMMON, *overrides]
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+                children.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(name))
+            except (OSError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def rank_pid(root: int, rank: int) -> int | None:
+    """The process of MPI rank `rank` under `root` (the top-most with that rank in its environment)."""
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"OMPI_COMM_WORLD_RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
+        except OSError:
+            pass
+    return None
+
+
+def state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return stat[stat.rindex(b")") + 2:].split()[0].decode()
+
+
+def holds_open(pid: int, path) -> bool:
+    target = os.path.realpath(path)
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def run_killed_rank(base, name: str) -> dict:
+    rank, status, overrides = KILLS[name]
+    run_dir = base / name
+    run_dir.mkdir()
+    env = dict(_env(), DYNARESIZE_KILL_AT_STATUS=f"{rank}:{status}")
+    with open(run_dir.parent / f"{name}.out", "w") as out, open(run_dir.parent / f"{name}.err", "w") as err:
+        proc = subprocess.Popen(cli(run_dir, *overrides), stdout=out, stderr=err, env=env, cwd=ROOT)
+        try:
+            code = proc.wait(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+    ended = time.time()
+    status_file = run_dir / ".ranks" / f"rank-{rank:05d}"
+    return {"code": code, "ended": ended, "run_dir": run_dir,
+            "killed_at": status_file.stat().st_mtime if status_file.exists() else None,
+            "stderr": (run_dir.parent / f"{name}.err").read_text()}
+
+
+def run_killed_job(base) -> dict:
+    """Start a job, let it report three iterations, stop rank 0 (the timeline writer) at a moment it
+    does not hold the file open, and SIGKILL every process of the job."""
+    run_dir = base / "killed_job"
+    timeline = run_dir / "timeline.h5"
+    with open(base / "killed_job.err", "w") as err:
+        proc = subprocess.Popen(cli(run_dir, "cluster.ranks=2", "policy.train_ranks=1", "run.iterations=200"),
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=_env(), cwd=ROOT,
+                                start_new_session=True)
+    lines, held = [], 0
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if sum(text.startswith("[dynaresize] iter ") for text in lines) >= 3:
+                break
+        writer = rank_pid(proc.pid, 0)
+        assert writer is not None, "rank 0 not found"
+        deadline = time.monotonic() + 5
+        while True:               # stop it where it does not hold the timeline open (a flush holds
+            os.kill(writer, signal.SIGSTOP)          # it a few ms an iteration; see writer.py)
+            while state(writer) not in ("T", "t") and time.monotonic() < deadline + 5:
+                time.sleep(0.001)
+            if not holds_open(writer, timeline) or time.monotonic() > deadline:
+                break
+            held += 1
+            os.kill(writer, signal.SIGCONT)
+            time.sleep(0.003)
+    finally:
+        for pid in [proc.pid] + descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        lines += proc.stdout.readlines()
+        proc.wait(timeout=30)
+    return {"run_dir": run_dir, "timeline": timeline, "stdout": lines, "held": held}  # held: times retried
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    """Start the jobs of the selected tests at once; `jobs(name)` waits for one, gives its results."""
+    base = tmp_path_factory.mktemp("faults")
+    results: dict[str, dict] = {}
+    threads = {}
+
+    def run(name, fn, *args):
+        try:
+            results[name] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - reported by the test that waits for it
+            results[name] = {"error": e}
+
+    selected = {item.callspec.params["name"] if hasattr(item, "callspec") else "killed_job"
+                for item in request.session.items if "jobs" in getattr(item, "fixturenames", ())}
+    for name in KILLS:
+        if name in selected:
+            threads[name] = threading.Thread(target=run, args=(name, run_killed_rank, base, name))
+    if "killed_job" in selected:
+        threads["killed_job"] = threading.Thread(target=run, args=("killed_job", run_killed_job, base))
+    for t in threads.values():
+        t.start()
+
+    def wait(name):
+        threads[name].join(JOB_TIMEOUT_S + 60)
+        assert name in results, f"{name} did not finish"
+        if "error" in results[name]:
+            raise results[name]["error"]
+        return results[name]
+
+    yield wait
+    for t in threads.values():
+        t.join(JOB_TIMEOUT_S + 60)
+
+
+@pytest.mark.parametrize("name", list(KILLS))
+def test_killed_rank_is_named_with_its_operation(jobs, name):
+    rank, status, _ = KILLS[name]
+    r = jobs(name)
+    err = r["stderr"]
+    assert r["code"] != 0, err[-3000:]
+    assert r["killed_at"] is not None, f"rank {rank} wrote no status\n{err[-3000:]}"
+    assert r["ended"] - r["killed_at"] < EXIT_AFTER_KILL_S, f"the job took {r['ended'] - r['killed_at']:.0f} s to end"
+    reports = [line for line in err.splitlines() if line.startswith("dynaresize: rank ")]
+    assert len(reports) == 1, err[-3000:]
+    report = reports[0]
+    # the killed rank and what it was doing, not a peer that aborted after it
+    assert report.startswith(f"dynaresize: rank {rank} died"), report
+    assert f"during {status}" in report, report
+    timeline = r["run_dir"] / "timeline.h5"
+    if timeline.exists():                    # written by rank 0 until the job died: plain h5py opens it
+        with h5py.File(timeline, "r") as f:
+            assert not f.attrs["complete"]
+
+
+def test_status_file_is_never_read_empty(tmp_path):
+    """The status writer (Job.set_status calls it: the kill tests above depend on that) rewrites
+    the file thousands of times while another process reads it."""
+    from dynaresize.launch.failure import write_status
+    path = tmp_path / ".ranks" / "rank-00003"
+    stop = tmp_path / "stop"
+    texts = ["train (iteration 7, batch 6, 2T/2R)", "weight_sync (iteration 7, 2T/2R, receiving)"]
+    write_status(str(path), texts[0], 3)
+    reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, sys
+        path, stop = sys.argv[1], sys.argv[2]
+        reads = empty = missing = 0
+        seen = set()
+        print("ready", flush=True)
+        while not os.path.exists(stop):
+            try:
+                with open(path) as f:
+                    text = f.read()
+            except FileNotFoundError:
+                missing += 1
+                continue
+            reads += 1
+            if not text:
+                empty += 1
+            seen.add(text)
+        print(reads, empty, missing, len(seen - set(sys.argv[3:])), flush=True)
+    """), str(path), str(stop), *texts], stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "ready"
+    start = time.monotonic()
+    writes = 0
+    while writes < 2000 or time.monotonic() - start < 0.5:
+        write_status(str(path), texts[writes % 2], 3)
+        writes += 1
+    stop.touch()
+    out, _ = reader.communicate(timeout=30)
+    reads, empty, missing, other = map(int, out.split())
+    assert reads > 500, f"only {reads} reads"
+    assert (empty, missing, other) == (0, 0, 0), \
+        f"{reads} reads during {writes} writes: {empty} empty, {missing} missing, {other} other texts"
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "temporary files left behind"
+
+
+def test_killed_job_timeline_opens_with_plain_h5py(jobs):
+    r = jobs("killed_job")
+    done = [int(line.split()[2].split("/")[0]) - 1 for line in r["stdout"] if line.startswith("[dynaresize] iter ")]
+    assert len(done) >= 3, r["stdout"]
+    with h5py.File(r["timeline"], "r") as f:          # plain: no SWMR, no libver
+        assert not f.attrs["complete"]
+        iterations = set(f["iterations"]["iteration"].tolist())
+        sampled = set(f["samples"]["iteration"].tolist())
+        evented = set(f["events"]["iteration"].tolist())
+    assert set(done) <= iterations, (done, sorted(iterations))
+    assert iterations <= sampled and iterations <= evented       # a row only with its data
+    proc = subprocess.run([sys.executable, "-m", "analysis.cli", str(r["run_dir"]), "--no-gantt", "--no-trace"],
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (r["run_dir"] / "report" / "summary.json").exists()
+
+
+KILLED_IN_FLUSH = textwrap.dedent("""
+    import os, signal, sys
+    import dynaresize.timeline.writer as w
+    writer = w.TimelineWriter(sys.argv[1], {"world_size": 2, "config": ""})
+    def rows(i):
+        writer.append("events", [dict(iteration=i, rank=0, role="train", name="train", start=i, end=i + 0.5)])
+        writer.append("samples", [dict(iteration=i, rank=1, response_len=10, reward=0.5)])
+        writer.append("iterations", [dict(iteration=i, table_version=0, train_ranks=1, rollout_ranks=1,
+                                           start=i, end=i + 1.0)])
+    for i in range(3):
+        rows(i)
+        writer.flush()
+    append = w._append_rows
+    def append_then_die(dataset, name, data):      # killed while it holds the file open
+        append(dataset, name, data)
+        os.kill(os.getpid(), signal.SIGKILL)
+    w._append_rows = append_then_die
+    rows(3)
+    writer.flush()
+""")
+
+
+def test_writer_killed_inside_a_flush_is_repaired(tmp_path):
+    """The few ms a flush holds the file: a SIGKILL there leaves the HDF5 'open for write' mark,
+    which repair_timeline (run by the launcher after a failed job) clears."""
+    from dynaresize.timeline.writer import needs_repair, repair_timeline
+    path = tmp_path / "timeline.h5"
+    proc = subprocess.run([sys.executable, "-c", KILLED_IN_FLUSH, str(path)], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert needs_repair(path)
+    with pytest.raises(OSError, match="already open for write"):
+        h5py.File(path, "r")
+    assert "repaired" in repair_timeline(path)
+    with h5py.File(path, "r") as f:
+        assert sorted(f["iterations"]["iteration"].tolist()) == [0, 1, 2]
+        assert f.attrs["repaired"] == 1
+    assert repair_timeline(path) is None and not needs_repair(path)
+
+
+SIGTERM_IN_FLUSH = textwrap.dedent("""
+    import os, signal, sys
+    import dynaresize.timeline.writer as w
+    writer = w.TimelineWriter(sys.argv[1], {"world_size": 2, "config": ""})
+    append = w._append_rows
+    def append_told_to_stop(dataset, name, data):   # SIGTERM while the file is open
+        os.kill(os.getpid(), signal.SIGTERM)
+        append(dataset, name, data)
+    w._append_rows = append_told_to_stop
+    writer.append("iterations", [dict(iteration=0, table_version=0, train_ranks=1, rollout_ranks=1,
+                                       start=0.0, end=1.0)])
+    writer.flush()
+    print("survived the signal")
+""")
+
+
+def test_sigterm_inside_a_flush_ends_the_writer_after_the_file_is_closed(tmp_path):
+    path = tmp_path / "timeline.h5"
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_FLUSH, str(path)], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and "survived" not in proc.stdout, proc.stderr
+    with h5py.File(path, "r") as f:
+        assert f["iterations"]["iteration"].tolist() == [0]
+
+
+def test_blame_goes_to_the_first_rank_to_end_not_to_the_peer_that_aborted(tmp_path):
+    """What mpiexec printed when a rank killed in training lost the race to a peer's MPI_Abort
+    (no 'exited on signal' line), with the order in which the launcher saw the ranks end."""
+    from dynaresize.launch.failure import explain_failure, status_path, write_status
+    run_dir = str(tmp_path)
+    doing = ["train (iteration 2, batch 1, 2T/2R)"] * 2 + ["rollout (iteration 2, batch 2, 2T/2R)"] * 2
+    for rank, text in enumerate(doing):
+        write_status(status_path(run_dir, rank), text)
+    lines = ["[dynaresize] rank 0 failed: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:11136.\n",
+             "--------------------------------------------------------------------------\n",
+             "MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\n",
+             "  Proc: [[37464,1],0]\n", "  Errorcode: 1\n"]
+    exits = [(10.0, 1), (10.3, 3), (10.35, 0), (10.4, 2)]
+    why = explain_failure(lines, run_dir, exits)
+    assert why.startswith("rank 1 died") and "during train (iteration 2" in why, why
+    assert why.endswith("rank 0 failed after it (a consequence)"), why
+    # ranks that had finished their work and ended normally are not causes
+    for rank in (1, 2, 3):
+        write_status(status_path(run_dir, rank), "finished")
+    write_status(status_path(run_dir, 0), "finish (saving the model, closing the timeline)")
+    lines = ["[dynaresize] rank 0 failed: OSError: [Errno 28] No space left on device\n",
+             "MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD\n"]
+    why = explain_failure(lines, run_dir, [(1.0, 1), (1.0, 2), (1.1, 3), (5.0, 0)])
+    assert why == "rank 0 failed during finish (saving the model, closing the timeline): " \
+                  "OSError: [Errno 28] No space left on device", why
+
+
+def test_rank_watch_records_the_order_in_which_ranks_end():
+    """RankWatch finds the ranks under the launcher process by their MPI rank variable and sees
+    them end in the order they were killed."""
+    from dynaresize.launch.failure import RankWatch
+    spawn = textwrap.dedent("""
+        import os, subprocess, sys
+        ps = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               env=dict(os.environ, OMPI_COMM_WORLD_RANK=str(r))) for r in range(3)]
+        print(" ".join(str(p.pid) for p in ps), flush=True)
+        for p in ps:
+            p.wait()
+    """)
+    root = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in root.stdout.readline().split()]
+        watch = RankWatch(root.pid, 3).start()
+        deadline = time.monotonic() + 10
+        while len(watch.pids) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert watch.pids == dict(enumerate(pids))
+        for rank in (2, 0, 1):
+            os.kill(pids[rank], signal.SIGKILL)
+            time.sleep(0.05)
+        assert root.wait(timeout=30) == 0
+    finally:
+        root.kill()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert [rank for _, rank in watch.stop()] == [2, 0, 1]
