@@ -1,10 +1,10 @@
 """Follow a running job: print one line per iteration as the timeline grows.
 
-The writer (dynaresize.timeline.writer) keeps the file open in HDF5 SWMR mode while the job runs,
-so this reader opens it with ``swmr=True`` and calls ``Dataset.refresh()`` to see new rows. The
-file lock is not taken (``locking=False``), so following never blocks the job's writer. File
-attributes are not refreshed by SWMR: the writer sets ``complete=True`` after it has closed the
-SWMR session, so every poll closes and reopens the file to read that attribute. Rows are read
+The writer (dynaresize.timeline.writer) opens the file in HDF5 SWMR mode while it appends an
+iteration, so this reader opens it with ``swmr=True`` and calls ``Dataset.refresh()`` to see new
+rows. The file lock is not taken (``locking=False``), so following never blocks the job's writer.
+File attributes are not refreshed by SWMR: the writer sets ``complete=True`` after its last SWMR
+session, so every poll closes and reopens the file to read that attribute. Rows are read
 incrementally (only rows not seen before), so following a long run stays cheap.
 """
 from __future__ import annotations
