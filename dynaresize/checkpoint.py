@@ -95,21 +95,25 @@ def checkpoint_if_due(job, it: int, ready: list, decision, requested: bool) -> b
             os.makedirs(root, exist_ok=True)
             make_private_dir(tmp)
         job.ctrl.barrier()
-        if job.trainer is not None:
-            ev["bytes"] = write_shard(shard_path(tmp, job.table.version, job.rank), job.trainer.export_shard(),
-                                      job.table.version, job.cfg.staging.buffer_mb, job.run_id, fsync=True)
-        if job.rank == 0:
-            state = {"format": FORMAT, "iteration": it, "run_id": job.run_id,
-                     "table": {"version": job.table.version, "roles": [r.value for r in job.table.roles]},
-                     "policy_state": job.policy.state(),
-                     "pending_batch": [dataclasses.asdict(x) for x in ready],
-                     "pending_decision": dataclasses.asdict(decision) if decision is not None else None,
-                     "config": to_yaml(job.cfg)}
-            fd = os.open(os.path.join(tmp, STATE_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(state, f)
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            if job.trainer is not None:
+                ev["bytes"] = write_shard(shard_path(tmp, job.table.version, job.rank), job.trainer.export_shard(),
+                                          job.table.version, job.cfg.staging.buffer_mb, job.run_id, fsync=True)
+            if job.rank == 0:
+                state = {"format": FORMAT, "iteration": it, "run_id": job.run_id,
+                         "table": {"version": job.table.version, "roles": [r.value for r in job.table.roles]},
+                         "policy_state": job.policy.state(),
+                         "pending_batch": [dataclasses.asdict(x) for x in ready],
+                         "pending_decision": dataclasses.asdict(decision) if decision is not None else None,
+                         "config": to_yaml(job.cfg)}
+                fd = os.open(os.path.join(tmp, STATE_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:          # a full or read-only run directory: no half-written checkpoint left
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         job.ctrl.barrier()
         if job.rank == 0:
             os.replace(tmp, final)                      # complete, or not there at all

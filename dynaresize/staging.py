@@ -84,6 +84,7 @@ def shard_path(directory: str, version: int, rank: int) -> str:
     return os.path.join(directory, f"v{version:05d}", f"rank{rank:05d}.h5")
 
 
+FAILED = ".failed"     # suffix of the file a writer that failed leaves for the readers
 BOUND = ("run_id", "table_version", "lo", "hi", "step", "chunk")   # attributes a staged file is bound to
 
 
@@ -104,10 +105,23 @@ def write_shard(path: str, shard: ShardState, version: int, buffer_mb: int, run_
     called when the file is written, before it is published (renamed): run.mode=emulate holds it
     back until the emulated disk would have written it, so readers wait as long as they would.
     """
-    make_private_dir(os.path.dirname(path))
+    tmp = f"{path}.tmp"
+    try:
+        make_private_dir(os.path.dirname(path))
+        n = _write(tmp, shard, version, buffer_mb, run_id, fsync)
+        if hold is not None:
+            hold()
+        os.replace(tmp, path)
+    except OSError as e:      # a full or read-only disk: say so now, to this rank and to the readers
+        _publish_failure(path, tmp, e)
+        raise StagingError(f"could not write staged file {path}: {e}") from None
+    return 3 * n * 4
+
+
+def _write(tmp: str, shard: ShardState, version: int, buffer_mb: int, run_id: str, fsync: bool) -> int:
+    """write_shard's file, under its temporary name; returns the floats per field."""
     n = shard.hi - shard.lo
     chunk = max(1, min(n, buffer_mb * 2**20 // 4))
-    tmp = f"{path}.tmp"
     os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))     # HDF5 keeps the mode
     all_crcs = {}
     with h5py.File(tmp, "w") as f:
@@ -128,16 +142,41 @@ def write_shard(path: str, shard: ShardState, version: int, buffer_mb: int, run_
         f.flush()
         if fsync:
             os.fsync(f.id.get_vfd_handle())
-    if hold is not None:
-        hold()
-    os.replace(tmp, path)
-    return 3 * n * 4
+    return n
+
+
+def _publish_failure(path: str, tmp: str, error: OSError) -> None:
+    """Leave `path`.failed for the ranks waiting for `path` (wait_for), with the error if the disk
+    takes it (an empty file still says it; a full disk has room for a name)."""
+    try:
+        os.remove(tmp)         # room for the marker, and no leftover
+    except OSError:
+        pass
+    try:
+        fd = os.open(path + FAILED, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    except OSError:
+        return                 # a read-only disk: the readers time out naming the file
+    try:
+        os.write(fd, str(error).encode()[:2000])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def wait_for(path: str, timeout_s: float = 120.0) -> None:
-    """Staged files appear atomically (renamed when complete); wait for one written by another rank."""
+    """Staged files appear atomically (renamed when complete); wait for one written by another
+    rank, or for its writer's word that it failed (`path`.failed)."""
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
+        if os.path.exists(path + FAILED):
+            try:
+                with open(path + FAILED) as f:
+                    why = f.read().strip()
+            except OSError:
+                why = ""
+            raise StagingError(f"staged file {path} will not appear: its writer failed: "
+                               f"{why or 'see the error of the rank that wrote it'}")
         if time.monotonic() > deadline:
             raise StagingError(f"staged file {path} did not appear within {timeout_s:.0f} s")
         time.sleep(0.002)

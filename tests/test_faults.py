@@ -183,6 +183,8 @@ def jobs(request, tmp_path_factory):
         t.join(JOB_TIMEOUT_S + 60)
 
 
+@pytest.mark.fault('a rank killed (SIGKILL) during training, weight sync or engine start',
+                   'the job ends within 30 s; the launcher names that rank and what it was doing, not a peer that aborted after it')
 @pytest.mark.parametrize("name", list(KILLS))
 def test_killed_rank_is_named_with_its_operation(jobs, name):
     rank, status, _ = KILLS[name]
@@ -203,6 +205,8 @@ def test_killed_rank_is_named_with_its_operation(jobs, name):
             assert not f.attrs["complete"]
 
 
+@pytest.mark.fault("a rank's status file read while the rank rewrites it (thousands of times)",
+                   'never empty: it is replaced atomically')
 def test_status_file_is_never_read_empty(tmp_path):
     """The status writer (Job.set_status calls it: the kill tests above depend on that) rewrites
     the file thousands of times while another process reads it."""
@@ -245,6 +249,8 @@ def test_status_file_is_never_read_empty(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == [path.name], "temporary files left behind"
 
 
+@pytest.mark.fault('every process of a run killed (SIGKILL)',
+                   'its timeline opens with plain `h5py.File(path, "r")` with every completed iteration; `dynaresize-analyze` reads it')
 def test_killed_job_timeline_opens_with_plain_h5py(jobs):
     r = jobs("killed_job")
     done = [int(line.split()[2].split("/")[0]) - 1 for line in r["stdout"] if line.startswith("[dynaresize] iter ")]
@@ -284,6 +290,8 @@ KILLED_IN_FLUSH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fault('the timeline writer killed while it appends an iteration',
+                   'the file is repaired (by the launcher, or `python -m dynaresize.timeline.writer repair`) and says so')
 def test_writer_killed_inside_a_flush_is_repaired(tmp_path):
     """The few ms a flush holds the file: a SIGKILL there leaves the HDF5 'open for write' mark,
     which repair_timeline (run by the launcher after a failed job) clears."""
@@ -318,6 +326,8 @@ SIGTERM_IN_FLUSH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.fault('SIGTERM while the timeline writer appends',
+                   'the file is closed first, then the signal acts')
 def test_sigterm_inside_a_flush_ends_the_writer_after_the_file_is_closed(tmp_path):
     path = tmp_path / "timeline.h5"
     proc = subprocess.run([sys.executable, "-c", SIGTERM_IN_FLUSH, str(path)], env=_env(), cwd=ROOT,
@@ -327,6 +337,8 @@ def test_sigterm_inside_a_flush_ends_the_writer_after_the_file_is_closed(tmp_pat
         assert f["iterations"]["iteration"].tolist() == [0]
 
 
+@pytest.mark.fault("output where only a peer's MPI_Abort is reported",
+                   'the first rank to end is blamed, the peer named as a consequence')
 def test_blame_goes_to_the_first_rank_to_end_not_to_the_peer_that_aborted(tmp_path):
     """What mpiexec printed when a rank killed in training lost the race to a peer's MPI_Abort
     (no 'exited on signal' line), with the order in which the launcher saw the ranks end."""
@@ -387,3 +399,85 @@ def test_rank_watch_records_the_order_in_which_ranks_end():
             except ProcessLookupError:
                 pass
     assert [rank for _, rank in watch.stop()] == [2, 0, 1]
+
+
+@pytest.mark.fault('SIGTERM or SIGINT to `dynaresize` alone',
+                   'the ranks are stopped (none orphaned), staging removed; exit 128 + signal with one line')
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_to_the_launcher_stops_its_ranks_and_cleans_up(tmp_path, sig):
+    """Item 4: SIGTERM or SIGINT to `dynaresize` alone (not its process group) stops the job: the
+    ranks end with it (none orphaned), its staging directory is removed, and it exits 128 + signal
+    with a one-line reason."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cli(run_dir, "cluster.ranks=2", "policy.train_ranks=1", "run.iterations=200",
+                                f"cluster.local_scratch={scratch}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                            start_new_session=True)
+    job = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("[dynaresize] iter "):
+                break
+        job = descendants(proc.pid)
+        assert rank_pid(proc.pid, 0) and rank_pid(proc.pid, 1), "ranks not found"
+        assert any(p.name.startswith("dynaresize-") for p in scratch.iterdir()), "no staging directory"
+        proc.send_signal(sig)
+        code = proc.wait(timeout=40)
+        err = proc.stderr.read()
+    finally:
+        for pid in [proc.pid] + job:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert code == 128 + sig, err[-3000:]
+    assert f"dynaresize: stopped by {signal.Signals(sig).name}" in err, err[-3000:]
+    alive = [pid for pid in job if os.path.exists(f"/proc/{pid}") and state(pid) not in ("Z", "X")]
+    assert not alive, f"processes of the job outlived its launcher: {alive}"
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs: a disk that fills up (needs root; skipped elsewhere)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mounting a small tmpfs needs root: {r.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.fault('the scratch disk fills up while a rank stages its state',
+                   "the job ends at once naming the path and `No space left on device`; no `.tmp` left (needs root for the test's tmpfs)")
+def test_full_scratch_disk_ends_the_job_at_once_naming_path_and_error(tmp_path, small_disk):
+    """Item 5: a rank that leaves training stages its state on a scratch disk that fills up. The
+    writer's error ends the job at once, with the path and the error; no rank waits for a file
+    that will never appear (they waited 120 s, then blamed a missing file)."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    proc = subprocess.run(cli(run_dir, "cluster.ranks=3", "policy.name=scripted", "policy.schedule=[2,1]",
+                              "run.iterations=3", f"cluster.local_scratch={small_disk}"),
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=200)
+    took = time.monotonic() - started
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "No space left on device" in proc.stderr and str(small_disk) in proc.stderr, proc.stderr[-3000:]
+    assert "did not appear" not in proc.stderr
+    assert took < 100, f"{took:.0f} s"
+    leftovers = [p for p in small_disk.rglob("*") if p.suffix == ".tmp"]
+    assert not leftovers, leftovers
+
+
+def test_readme_fault_table_is_the_tests():
+    """The README's table of faults is generated from the tests' fault marks (tests/fault_table.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import fault_table
+    rows = fault_table.faults()
+    assert len(rows) >= 15 and all(f and o for f, o, _ in rows)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert fault_table.readme_table(readme) == fault_table.table(), \
+        "README.md's fault table is out of date: run python tests/fault_table.py --write"

@@ -7,6 +7,7 @@ import json
 import os
 import stat
 
+import pytest
 from conftest import run_cli
 
 COMMON = ("run.iterations=3", "run.checkpoint_every=1", "run.report=false", "run.save_model=false")
@@ -16,6 +17,8 @@ def mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
+@pytest.mark.fault('a resume with a changed seed or model; a checkpoint of the previous format (pickles)',
+                   'exit 2 before anything starts or is written, naming the fields; checkpoints are data (JSON + HDF5), 0600 in 0700')
 def test_checkpoint_is_private_data_and_resume_refuses_a_changed_computation(tmp_path):
     run = tmp_path / "run"
     run_cli(run, *COMMON)

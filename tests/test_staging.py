@@ -3,7 +3,11 @@ foreign files and directories."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
+import tempfile
+import time
 
 import h5py
 import numpy as np
@@ -12,7 +16,7 @@ import torch
 
 from dynaresize.flat import shard_range
 from dynaresize.staging import (StagingError, make_private_dir, read_range, read_shard, shard_path,
-                                write_shard)
+                                wait_for, write_shard)
 from dynaresize.trainer import ShardState
 
 RUN = "0123456789abcdef"
@@ -51,6 +55,8 @@ def test_reshard_by_ranges_from_staged_files(tmp_path):
     assert stat.S_IMODE(os.stat(os.path.dirname(shard_path(str(tmp_path), 4, 0))).st_mode) == 0o700
 
 
+@pytest.mark.fault('a flipped byte in a staged file',
+                   'refused, naming the dataset and the chunk')
 def test_flipped_byte_is_refused(tmp_path):
     path = shard_path(str(tmp_path), 1, 0)
     write_shard(path, shard(0, 600_000), version=1, buffer_mb=1, run_id=RUN)
@@ -66,6 +72,8 @@ def test_flipped_byte_is_refused(tmp_path):
         read_range(path, 1, 0, 1000, RUN)
 
 
+@pytest.mark.fault('a truncated staged file',
+                   'refused')
 def test_truncated_file_is_refused(tmp_path):
     path = shard_path(str(tmp_path), 1, 0)
     write_shard(path, shard(0, 600_000), version=1, buffer_mb=1, run_id=RUN)
@@ -76,6 +84,8 @@ def test_truncated_file_is_refused(tmp_path):
         read_range(path, 1, 0, 600_000, RUN)
 
 
+@pytest.mark.fault('a staged file of another table version',
+                   'refused')
 def test_stale_version_is_refused(tmp_path):
     path = shard_path(str(tmp_path), 2, 0)
     write_shard(path, shard(0, 1000), version=2, buffer_mb=1, run_id=RUN)
@@ -91,6 +101,8 @@ def test_half_written_file_is_never_visible(tmp_path):
     assert step == 7 and np.array_equal(data["params"], shard(0, 1000).params[10:20].numpy())
 
 
+@pytest.mark.fault('a staged file left by another run, same version and range',
+                   'refused: written by another run (run id)')
 def test_file_of_another_run_is_refused(tmp_path):
     """A leftover of an earlier run with the same version and range is not this run's state."""
     path = shard_path(str(tmp_path), 1, 0)
@@ -99,6 +111,8 @@ def test_file_of_another_run_is_refused(tmp_path):
         read_range(path, 1, 0, 1000, RUN)
 
 
+@pytest.mark.fault('an edited attribute of a staged file (step, lo, hi, run id, chunk)',
+                   'refused: header digest mismatch')
 @pytest.mark.parametrize("attr,value", [("step", 8), ("lo", 1), ("hi", 999), ("run_id", RUN), ("chunk", 500)])
 def test_altered_attribute_is_refused(tmp_path, attr, value):
     path = shard_path(str(tmp_path), 1, 0)
@@ -109,6 +123,8 @@ def test_altered_attribute_is_refused(tmp_path, attr, value):
         read_range(path, 1, 0, 10, RUN)
 
 
+@pytest.mark.fault("a staged file moved into another rank's place",
+                   'refused: it holds another range')
 def test_file_holding_another_range_is_refused(tmp_path):
     """A file renamed into another owner's place: its range is not that owner's shard."""
     numel = 2000
@@ -121,6 +137,8 @@ def test_file_holding_another_range_is_refused(tmp_path):
         read_shard(str(tmp_path), 1, 2, numel, 0, numel, shard_range, RUN)
 
 
+@pytest.mark.fault('another user reading staged files',
+                   'files are 0600 in a 0700 directory')
 def test_staged_files_are_private(tmp_path):
     path = shard_path(str(tmp_path), 1, 0)
     old = os.umask(0o000)
@@ -131,6 +149,8 @@ def test_staged_files_are_private(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
+@pytest.mark.fault('the staging directory pre-created by someone else, a link, or open to others',
+                   'refused before anything is staged there')
 @pytest.mark.parametrize("make", ["open", "link", "file"])
 def test_directory_that_is_not_private_is_refused(tmp_path, make):
     """Someone else's (or an open, or a linked) directory where the job stages is refused."""
@@ -145,3 +165,53 @@ def test_directory_that_is_not_private_is_refused(tmp_path, make):
         d.write_text("")
     with pytest.raises(StagingError, match="not a private directory of this user"):
         make_private_dir(str(d))
+
+
+@pytest.mark.fault('a staged write that fails',
+                   'the writer raises with the path and the error; readers fail at once (they waited 120 s)')
+def test_a_writer_that_fails_tells_the_readers_at_once(tmp_path):
+    """A write that fails (here: its temporary file is in the way; a full disk in test_faults)
+    raises on the writer and leaves a note, so a reader fails at once instead of waiting 120 s."""
+    path = shard_path(str(tmp_path), 1, 0)
+    os.makedirs(os.path.dirname(path), mode=0o700)
+    open(path + ".tmp", "w").close()
+    with pytest.raises(StagingError, match="could not write staged file .*rank00000.h5"):
+        write_shard(path, shard(0, 1000), version=1, buffer_mb=1, run_id=RUN)
+    t0 = time.monotonic()
+    with pytest.raises(StagingError, match="will not appear: its writer failed: .*File exists"):
+        wait_for(path, timeout_s=60)
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.fixture
+def open_dir():
+    """A directory in the system temp dir that every user can reach, as a scratch root is."""
+    root = tempfile.mkdtemp(prefix="dynaresize-uid-test-")
+    os.chmod(root, 0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.fault("another user (uid 65534) reading, listing or replacing a job's staged files",
+                   "refused by the file system: the directory is 0700, the files 0600 (needs root to switch users)")
+def test_another_user_cannot_read_or_replace_staged_files(open_dir):
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or python is None:
+        pytest.skip("running as another user needs root, setpriv and a system python3")
+    job = os.path.join(open_dir, "dynaresize-job")
+    make_private_dir(job)
+    path = shard_path(job, 1, 0)
+    write_shard(path, shard(0, 1000), version=1, buffer_mb=1, run_id=RUN)
+    decoy = os.path.join(open_dir, "decoy")
+    open(decoy, "w").close()
+    os.chmod(decoy, 0o666)
+    probe = ("import os, sys\n"
+             "path, job, decoy = sys.argv[1:]\n"
+             "for act in (lambda: open(path, 'rb'), lambda: os.listdir(job), lambda: open(path + '.x', 'w'),\n"
+             "            lambda: os.replace(decoy, path)):\n"
+             "    try:\n        act()\n        print('allowed')\n"
+             "    except OSError as e:\n        print(type(e).__name__)\n")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", probe,
+                          path, job, decoy], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["PermissionError"] * 4, out.stdout

@@ -80,6 +80,8 @@ CASES = {
 }
 
 
+@pytest.mark.fault('typos in keys, wrong types, out-of-range values (betas, eps, weight_decay, grad_clip, growth, schedules, fp16 on CPU, CUDA without a GPU, a model with too few positions, a scratch path that is a file)',
+                   'exit 2 before any rank starts, naming the field and the fix')
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_configuration_exits_2_before_ranks_start(case, tmp_path, hf_checkpoint):
     overrides, field, words = CASES[case]
@@ -96,6 +98,8 @@ def test_bad_configuration_exits_2_before_ranks_start(case, tmp_path, hf_checkpo
     assert_refused(proc, run_dir, field, *words)
 
 
+@pytest.mark.fault('a bad point in a `-m` sweep',
+                   'exit 2 before the first job')
 def test_sweep_refuses_a_bad_point_before_the_first_job(tmp_path):
     sweep = tmp_path / "sweep"
     proc = dynaresize("-m", "policy=static", "policy.train_ranks=1,2,3,4", f"hydra.sweep.dir={sweep}")

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 
+from ..checkpoint import latest
 from ..config import JobConfig
 from ..staging import RUN_ID_ENV, job_staging_dir, new_run_id, remove_dir
 from .failure import RankWatch, clear_statuses, explain_failure
@@ -35,19 +38,55 @@ def mpi_env() -> dict[str, str]:
     return env
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE_S = 10.0      # after a stop signal is passed on, the job's processes are killed this much later
+
+
+@dataclass
+class Finished:
+    code: int                               # the launcher command's exit code
+    lines: list[str]                        # its output
+    exits: list[tuple[float, int]]          # [(time, rank)] in the order the ranks ended (RankWatch)
+    stopped_by: int | None = None           # the signal that stopped the job, if one did
+
+
 def run_and_watch(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
     """Run `cmd`, passing its output through, and keep its lines for a failure report."""
-    code, lines, _ = run_watching_ranks(cmd, env)
-    return code, lines
+    done = run_watching_ranks(cmd, env)
+    return done.code, done.lines
 
 
-def run_watching_ranks(cmd: list[str], env: dict[str, str],
-                       ranks: int = 0) -> tuple[int, list[str], list[tuple[float, int]]]:
+def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0) -> Finished:
     """`run_and_watch`, and with `ranks` > 0 also the order in which the ranks that `cmd` starts
-    on this machine end ([(time, rank)], RankWatch): the first is the cause of a failure."""
+    on this machine end ([(time, rank)], RankWatch): the first is the cause of a failure.
+
+    The launcher owns its job: SIGINT, SIGTERM and SIGHUP are passed on to `cmd` (mpiexec stops
+    its ranks), and if the job has not ended STOP_GRACE_S later its processes are killed, so no
+    rank outlives the launcher."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     watch = RankWatch(proc.pid, ranks).start() if ranks > 0 else None
     lines: list[str] = []
+    stopped: list[int] = []
+
+    def kill_job() -> None:
+        if proc.poll() is None:
+            for pid in (watch.pids.values() if watch is not None else ()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            proc.kill()
+
+    def stop(signum, frame) -> None:
+        if not stopped:
+            stopped.append(signum)
+            proc.send_signal(signum)
+            timer = threading.Timer(STOP_GRACE_S, kill_job)
+            timer.daemon = True
+            timer.start()
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if in_main else {}
 
     def pump(src, dst):
         for line in src:
@@ -63,9 +102,11 @@ def run_watching_ranks(cmd: list[str], env: dict[str, str],
         code = proc.wait()
     finally:
         exits = watch.stop() if watch is not None else []
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     for t in pumps:
         t.join()
-    return code, lines, exits
+    return Finished(code, lines, exits, stopped[0] if stopped else None)
 
 
 def launch(cfg: JobConfig, config_path: str) -> int:
@@ -78,13 +119,21 @@ def launch(cfg: JobConfig, config_path: str) -> int:
     clear_statuses(cfg.run.output_dir)   # an earlier run's, in a resumed run's directory
     run_id = new_run_id()                # the ranks' staging directory is named after it
     try:
-        code, lines, exits = run_watching_ranks(cmd, {**mpi_env(), RUN_ID_ENV: run_id}, cfg.cluster.ranks)
+        done = run_watching_ranks(cmd, {**mpi_env(), RUN_ID_ENV: run_id}, cfg.cluster.ranks)
     finally:                         # a rank that died cannot clean up its staged state
         remove_dir(job_staging_dir(cfg.cluster.local_scratch, run_id))
-    if code != 0:
-        why = explain_failure(lines, cfg.run.output_dir, exits)
+    code = done.code
+    if done.stopped_by is not None:
+        name = signal.Signals(done.stopped_by).name
+        print(f"dynaresize: stopped by {name}: the ranks were stopped and the job's staged state removed"
+              + (f"; it resumes from {latest(cfg.run.output_dir)} when started again on "
+                 f"{cfg.run.output_dir}" if latest(cfg.run.output_dir) else ""), file=sys.stderr, flush=True)
+        code = 128 + done.stopped_by
+    elif code != 0:
+        why = explain_failure(done.lines, cfg.run.output_dir, done.exits)
         if why:
             print(f"dynaresize: {why}", file=sys.stderr, flush=True)
+    if code != 0:
         # Rank 0 killed while it wrote the timeline (a few ms an iteration) leaves the file marked
         # as open for writing, which plain h5py refuses; every rank has ended, so it is mended here.
         from ..timeline.writer import repair_timeline
