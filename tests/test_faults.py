@@ -35,6 +35,8 @@ KILLS = {
     "train": (1, "train (iteration 2", ["cluster.ranks=3", "policy.train_ranks=2", "run.iterations=4"]),
     "weight_sync": (0, "weight_sync (iteration 1", ["cluster.ranks=2", "policy.train_ranks=1", "run.iterations=3"]),
     "engine_start": (1, "engine_start", ["cluster.ranks=2", "policy.train_ranks=1", "run.iterations=2"]),
+    "checkpoint": (0, "checkpoint (after iteration 1", ["cluster.ranks=2", "policy.train_ranks=1", "run.iterations=3",
+                                                         "run.checkpoint_every=2"]),
 }
 JOB_TIMEOUT_S = 200        # the four jobs share two cores; each alone takes about 20 s
 EXIT_AFTER_KILL_S = 30     # a job must end this soon after one of its ranks was killed
@@ -183,7 +185,7 @@ def jobs(request, tmp_path_factory):
         t.join(JOB_TIMEOUT_S + 60)
 
 
-@pytest.mark.fault('a rank killed (SIGKILL) during training, weight sync or engine start',
+@pytest.mark.fault('a rank killed (SIGKILL) during training, weight sync, engine start or a checkpoint write',
                    'the job ends within 30 s; the launcher names that rank and what it was doing, not a peer that aborted after it')
 @pytest.mark.parametrize("name", list(KILLS))
 def test_killed_rank_is_named_with_its_operation(jobs, name):
@@ -481,3 +483,16 @@ def test_readme_fault_table_is_the_tests():
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert fault_table.readme_table(readme) == fault_table.table(), \
         "README.md's fault table is out of date: run python tests/fault_table.py --write"
+
+
+@pytest.mark.fault("a read-only scratch disk",
+                   "the job ends at start-up naming the path and `Read-only file system` (needs root for the test's tmpfs)")
+def test_read_only_scratch_disk_ends_the_job_at_once_naming_path_and_error(tmp_path, small_disk):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    started = time.monotonic()
+    proc = subprocess.run(cli(tmp_path / "run", "cluster.ranks=2", "policy.train_ranks=1", "run.iterations=2",
+                              f"cluster.local_scratch={small_disk}"),
+                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=200)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Read-only file system" in proc.stderr and str(small_disk) in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - started < 60
