@@ -251,6 +251,16 @@ def test_jobconfig_api_and_config_errors(tmp_path):
     assert (s.cfg.policy.resize_unit, s.cfg.policy.train_ranks, s.cfg.rollout.prompts_per_batch) == (8, 24, 128)
 
 
+def test_command_line_typos_and_types_exit_2(tmp_path):
+    """`dynaresize-sim` checks the command line as `dynaresize` does (dynaresize.cli.check_command_line,
+    with the simulator's schema): a typo or a wrong type exits 2 naming the key, no traceback."""
+    for override, key in (("trainer.lrr=1", "trainer.lrr"), ("sim.units=many", "sim.units")):
+        bad = subprocess.run([sys.executable, "-m", "dynaresize.sim.cli", f"hydra.run.dir={tmp_path / 'x'}", override],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert bad.returncode == 2 and key in bad.stderr and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "x").exists()
+
+
 def test_1024_ranks_50_iterations(tmp_path):
     """Scale: 1,024 ranks, 2,048 prompts x 4 samples a batch, 50 iterations (the README gives the
     1,000-iteration time)."""

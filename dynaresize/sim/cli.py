@@ -47,6 +47,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "suite":
         from .suite import main as suite_main
         sys.exit(suite_main(sys.argv[2:]))
+    from ..cli import check_command_line
+    problem = check_command_line(sys.argv[1:], validate=prepare)   # exit 2 for typos, types and bad sweeps
+    if problem:
+        print(f"dynaresize-sim: {problem}", file=sys.stderr)
+        sys.exit(2)
     simulate_job()
 
 
