@@ -80,13 +80,14 @@ class Job:
             self.registry.ensure(self.table.num_train)
             self.layout = FlatLayout.of(model_skeleton(self.model_dir))
             weights = checkpoint.load_flat_params(resume, self.layout.numel) if resume else None
+            self.engine = self.trainer = None
+            self.parked_engine = None         # a released engine kept for the rank's return to rollout
             if self.table.generates(self.rank):
                 self.set_status("engine_start (startup)")
-            self.engine = self._start_engine(weights) if self.table.generates(self.rank) else None
-            self.parked_engine = None         # a released engine kept for the rank's return to rollout
+                self.engine = self._start_engine(weights)
             if self.table.trains(self.rank):
                 self.set_status("trainer_start (startup)")
-            self.trainer = self._start_trainer(weights, resume) if self.table.trains(self.rank) else None
+                self.trainer = self._start_trainer(weights, resume)
             ev["attrs"]["groups"] = self.registry.creations
 
         self.first_iteration = resume.iteration + 1 if resume else 0
