@@ -103,6 +103,19 @@ def union_length(group: np.ndarray, start: np.ndarray, end: np.ndarray, n_groups
     return np.bincount(g, weights=e - s, minlength=n_groups)[:n_groups]
 
 
+def iteration_bubble(events: list[dict], start: float, end: float, world: int) -> float:
+    """The idle share of one iteration's rank-time (the module's definition: the union of each
+    rank's busy events, clipped to the span) from the iteration's raw events (dicts with rank,
+    name, start, end), for a job's progress line while it runs."""
+    busy = [e for e in events if e["name"] in BUSY_NAMES]
+    rank = np.array([e["rank"] for e in busy], dtype=np.int64)
+    s = np.maximum(np.array([e["start"] for e in busy], dtype=np.float64), start)
+    t = np.minimum(np.array([e["end"] for e in busy], dtype=np.float64), end)
+    keep = t > s
+    busy_s = union_length(rank[keep], s[keep], t[keep], world).sum() if keep.any() else 0.0
+    return 1.0 - busy_s / (max(end - start, 1e-12) * world)
+
+
 # ---------------------------------------------------------------------------------------------
 # Per (iteration, rank) table
 

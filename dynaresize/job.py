@@ -34,8 +34,6 @@ from .timeline.writer import TimelineWriter
 from .trainer import Sample, ShardedTrainer
 from .workload import digest, make_batch, reward, sample_seed
 
-BUSY = ("rollout", "train", "weight_sync") + SWITCH_OPS
-
 
 class Job:
     def __init__(self, cfg: JobConfig, ctrl: ControlPlane):
@@ -368,14 +366,14 @@ class Job:
         w.flush()
 
     def _print_progress(self, it, events, start, end) -> None:
+        from analysis.metrics import iteration_bubble       # the report's definition of a bubble
         span = max(end - start, 1e-9)
-        busy = sum(e["end"] - e["start"] for e in events if e["name"] in BUSY)
         tokens = sum(e["tokens"] for e in events if e["name"] == "rollout")
         rewards = [s.reward for s in self._new_samples]
         total = self.cfg.run.iterations + self.cfg.run.max_lag
         print(f"[dynaresize] iter {it + 1:>3}/{total}  split {self.table.describe():>7}  "
               f"rollout {duration_max(events, 'rollout'):6.2f}s  train {duration_max(events, 'train'):6.2f}s  "
-              f"sync {duration_max(events, 'weight_sync'):5.2f}s  bubble {1 - busy / (span * self.world):4.0%}  "
+              f"sync {duration_max(events, 'weight_sync'):5.2f}s  bubble {iteration_bubble(events, start, end, self.world):4.0%}  "
               f"reward {np.mean(rewards) if rewards else float('nan'):.3f}  {tokens / span:7.0f} tok/s",
               flush=True)
 

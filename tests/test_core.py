@@ -54,6 +54,23 @@ def test_default_run_shows_the_dynamic_policy_at_work(default_run):
     assert (run_dir / "report" / "gantt.png").exists() and (run_dir / "report" / "prediction.png").exists()
 
 
+def test_printed_bubble_is_the_reports(default_run):
+    """The progress line's bubble is the analysis' (busy = the union of each rank's busy events,
+    so a background switch op that overlaps a stage is not counted twice)."""
+    import re
+
+    import analysis
+    run_dir, proc = default_run
+    printed = {int(m.group(1)) - 1: int(m.group(2))
+               for m in re.finditer(r"\[dynaresize\] iter +(\d+)/\d+ .*? bubble +(\d+)%", proc.stdout)}
+    ri = analysis.rank_iterations(analysis.load_timeline(run_dir))
+    by_it = ri.groupby("iteration")[["busy_s", "span_s"]].sum()
+    report = 100 * (1 - by_it["busy_s"] / by_it["span_s"])
+    assert sorted(printed) == list(report.index), proc.stdout
+    for it, pct in printed.items():
+        assert abs(pct - report[it]) <= 0.5 + 1e-6, (it, pct, report[it])
+
+
 def test_final_model_loads_with_transformers(default_run):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
