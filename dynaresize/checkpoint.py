@@ -33,7 +33,7 @@ from .flat import shard_range
 from .policy import Decision
 from .roles import Role, RoleTable
 from .staging import make_private_dir, read_range, read_shard, shard_path, write_shard
-from .trainer import Sample
+from .types import Sample
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"

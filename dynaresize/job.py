@@ -31,7 +31,8 @@ from .staging import RUN_ID_ENV, job_staging_dir, make_private_dir, new_run_id, 
 from .timeline.recorder import Recorder
 from .timeline.schema import CRITICAL, SWITCH_OPS
 from .timeline.writer import TimelineWriter
-from .trainer import Sample, ShardedTrainer
+from .trainer import ShardedTrainer
+from .types import Sample
 from .workload import digest, make_batch, reward, sample_seed
 
 

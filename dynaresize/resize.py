@@ -33,7 +33,8 @@ from .policy import Decision
 from .roles import RoleTable
 from .staging import STATE_FIELDS, read_shard, shard_path, write_shard
 from .timeline.schema import BACKGROUND, CRITICAL
-from .trainer import ShardedTrainer, ShardState
+from .trainer import ShardedTrainer
+from .types import ShardState
 
 # Fault injection for tests: "RANK:OPERATION" makes that rank die (SIGKILL) when it starts that op.
 FAULT_ENV = "DYNARESIZE_INJECT_FAULT"

@@ -30,7 +30,7 @@ import h5py
 import numpy as np
 import torch
 
-from .trainer import ShardState
+from .types import ShardState
 
 STATE_FIELDS = ("params", "exp_avg", "exp_avg_sq")
 

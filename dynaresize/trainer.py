@@ -16,8 +16,6 @@ changes who computes what, never what is computed. Resizing moves ranges (see st
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
@@ -25,33 +23,9 @@ from .config import TrainerConfig
 from .flat import FlatLayout, bind_model_to_flat, shard_range
 from .model import PAD_ID, trainable_parameters
 from .placement import assign_micro_batches
+from .types import Sample, ShardState
 
 REDUCE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass
-class Sample:
-    """One generated sample, as handed from rollout to training (and recorded on the timeline)."""
-    batch: int
-    index: int
-    prompt: int
-    rank: int
-    prompt_tokens: list[int]
-    response: list[int]
-    logprobs: list[float]
-    length_cap: int                # the hidden response length the workload gave it (see shapes.py)
-    reward: float
-
-
-@dataclass
-class ShardState:
-    """Optimizer state of one contiguous range [lo, hi) of the flat vector."""
-    lo: int
-    hi: int
-    params: torch.Tensor      # float32 master copy of the range
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: int
 
 
 def group_advantages(samples: list[Sample]) -> dict[int, float]:

@@ -17,7 +17,7 @@ import torch
 from dynaresize.flat import shard_range
 from dynaresize.staging import (StagingError, make_private_dir, read_range, read_shard, shard_path,
                                 wait_for, write_shard)
-from dynaresize.trainer import ShardState
+from dynaresize.types import ShardState
 
 RUN = "0123456789abcdef"
 

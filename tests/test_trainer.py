@@ -11,7 +11,8 @@ import torch
 from dynaresize.config import ModelConfig, TrainerConfig
 from dynaresize.model import BOS_ID, EOS_ID, load_model, prepare_checkpoint
 from dynaresize.placement import assign_micro_batches
-from dynaresize.trainer import Sample, ShardedTrainer, micro_batch_tokens
+from dynaresize.trainer import ShardedTrainer, micro_batch_tokens
+from dynaresize.types import Sample
 
 TEMPERATURE = 1.0
 RESPONSE_LENS = [2, 3, 5, 40, 4, 6, 3, 25, 8, 2, 12, 3, 60, 5, 4, 7]   # long-tailed, 4 prompts x 4

@@ -264,7 +264,7 @@ def check_staging_from_gpu(device: str) -> dict:
     """A ShardState of 3 x 89.5M float32 (1.07 GB) on the GPU, staged to local disk and read back.
     The range starts at an odd offset and ends mid-chunk, as a rank's range of the flat vector does."""
     from dynaresize.staging import new_run_id, read_range, remove_dir, scratch_root, shard_path, write_shard
-    from dynaresize.trainer import ShardState
+    from dynaresize.types import ShardState
 
     n = 89_478_487 if device == "cuda" else 2_000_003
     lo, version = 1001, 3
@@ -328,7 +328,7 @@ def make_samples() -> list:
     them (engine log-probs are placeholder zeros)."""
     import numpy as np
     from dynaresize.model import BOS_ID, EOS_ID
-    from dynaresize.trainer import Sample
+    from dynaresize.types import Sample
 
     rng = np.random.default_rng(0)
     samples = []
