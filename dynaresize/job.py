@@ -95,6 +95,9 @@ class Job:
         self._new_samples: list[Sample] = []
         self._t_begin = 0.0
         self.writer = self._open_timeline(resume) if self.rank == 0 else None
+        if self.rank == 0:     # the progress line's bubble: imported (pandas) now, not inside a timed iteration
+            from analysis.metrics import iteration_bubble
+            self.iteration_bubble = iteration_bubble
         ctrl.barrier()                    # iteration 0 starts together, after everyone's start-up
         if getattr(self.policy, "start_reason", "") and resume is None and self.rank == 0:
             print(f"[dynaresize] {self.policy.start_reason}", flush=True)
@@ -367,14 +370,13 @@ class Job:
         w.flush()
 
     def _print_progress(self, it, events, start, end) -> None:
-        from analysis.metrics import iteration_bubble       # the report's definition of a bubble
         span = max(end - start, 1e-9)
         tokens = sum(e["tokens"] for e in events if e["name"] == "rollout")
         rewards = [s.reward for s in self._new_samples]
         total = self.cfg.run.iterations + self.cfg.run.max_lag
         print(f"[dynaresize] iter {it + 1:>3}/{total}  split {self.table.describe():>7}  "
               f"rollout {duration_max(events, 'rollout'):6.2f}s  train {duration_max(events, 'train'):6.2f}s  "
-              f"sync {duration_max(events, 'weight_sync'):5.2f}s  bubble {iteration_bubble(events, start, end, self.world):4.0%}  "
+              f"sync {duration_max(events, 'weight_sync'):5.2f}s  bubble {self.iteration_bubble(events, start, end, self.world):4.0%}  "
               f"reward {np.mean(rewards) if rewards else float('nan'):.3f}  {tokens / span:7.0f} tok/s",
               flush=True)
 
