@@ -89,10 +89,14 @@ def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0) -> F
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if in_main else {}
 
     def pump(src, dst):
+        line = ""
         for line in src:
             dst.write(line)
             dst.flush()
             lines.append(line)
+        if line and not line.endswith("\n"):    # output cut mid-line: the launcher's report starts a line
+            dst.write("\n")
+            dst.flush()
 
     pumps = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout)),
              threading.Thread(target=pump, args=(proc.stderr, sys.stderr))]
