@@ -294,10 +294,13 @@ class Job:
         return True
 
     def suspend(self) -> None:
-        """Stop without finishing: the timeline stays incomplete, to be continued on resume."""
+        """Stop without finishing: the timeline stays incomplete, to be continued on resume (from
+        the checkpoint: staged state is not needed)."""
         if self.writer is not None:
             self.writer.close(complete=False)
         self._close_engines()
+        if self.ctrl.local_rank == 0:
+            remove_dir(self.staging_dir)
         dist.destroy_process_group()
         self.set_status("finished (suspended after a checkpoint, to be resumed)")
 

@@ -22,7 +22,8 @@ from dynaresize.roles import RoleTable
 
 
 def job_config(out_dir: str, **sections) -> object:
-    raw = {"cluster": {"ranks": int(os.environ.get("OMPI_COMM_WORLD_SIZE", 4))},
+    # Staging in the scenario's folder: scenarios stop without Job.finish, which removes it.
+    raw = {"cluster": {"ranks": int(os.environ.get("OMPI_COMM_WORLD_SIZE", 4)), "local_scratch": out_dir},
            "run": {"output_dir": out_dir, "iterations": 2, "max_lag": 0}}
     for section, fields in sections.items():
         raw.setdefault(section, {}).update(fields)
