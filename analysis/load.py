@@ -134,12 +134,7 @@ def open_timeline(path: str | os.PathLike, swmr: bool = False, locking: bool | N
     path = resolve_path(path)
     kwargs = {} if locking is None else {"locking": locking}
     try:
-        try:
-            f = h5py.File(path, "r", libver="latest", swmr=swmr, **kwargs)
-        except OSError as plain_error:
-            if swmr or "already open for write" not in str(plain_error):
-                raise
-            f = h5py.File(path, "r", libver="latest", swmr=True, **kwargs)
+        f = schema.open_read(path, swmr=swmr, **kwargs)
     except OSError as e:
         raise TimelineError(f"{path} cannot be read as a timeline: {_describe_os_error(e)}") from e
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+import h5py
 import numpy as np
 
 KIND = "dynaresize-timeline"
@@ -131,6 +132,17 @@ def rows(dtype: np.dtype, records: list[dict]) -> np.ndarray:
                 value = value.encode()
             out[key][i] = value
     return out
+
+
+def open_read(path, swmr: bool = False, **kwargs) -> h5py.File:
+    """Open a timeline read-only: a file that a running job holds open for writing (SWMR), or that
+    a killed writer left marked as open, is opened in SWMR read mode."""
+    try:
+        return h5py.File(path, "r", libver="latest", swmr=swmr, **kwargs)
+    except OSError as e:
+        if swmr or "already open for write" not in str(e):
+            raise
+        return h5py.File(path, "r", libver="latest", swmr=True, **kwargs)
 
 
 def check_file(f) -> None:

@@ -39,7 +39,7 @@ import threading
 import h5py
 import numpy as np
 
-from .schema import DATASETS, KIND, SCHEMA_VERSION, TimelineError, check_file, rows
+from .schema import DATASETS, KIND, SCHEMA_VERSION, TimelineError, check_file, open_read, rows
 
 CHUNK_ROWS = 1024
 LAST = "iterations"                           # written last in each flush (see the module docstring)
@@ -165,16 +165,6 @@ def _signals_deferred():
             os.kill(os.getpid(), sig)         # the old handler (default: end the process)
 
 
-def _open_read(path: str | os.PathLike) -> h5py.File:
-    """Open read-only; a file marked as open for writing (a killed writer) in SWMR read mode."""
-    try:
-        return h5py.File(path, "r", libver="latest")
-    except OSError as e:
-        if "already open for write" not in str(e):
-            raise
-        return h5py.File(path, "r", libver="latest", swmr=True)
-
-
 def _copy_rows(path: str, keep, attr_updates: dict) -> None:
     """Rewrite timeline `path` as a clean file: `keep(rows)` of each dataset, attributes updated
     (a value may be a function of the old attributes), swapped in with os.replace."""
@@ -215,7 +205,7 @@ def repair_timeline(path: str | os.PathLike) -> str | None:
 
 def last_complete_iteration(path: str | os.PathLike) -> int:
     """The last iteration that has its `iterations` row (-1 if none), for resuming."""
-    with _open_read(path) as f:
+    with open_read(path) as f:
         check_file(f)
         its = f["iterations"]["iteration"]
         return int(its.max()) if len(its) else -1
