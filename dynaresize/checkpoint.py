@@ -42,7 +42,7 @@ LEGACY_STATE_FILE = "state.pkl"    # format 1 (pickles), refused
 
 # What a resumed run must share with the run that wrote its checkpoint: everything that changes
 # what is computed. Everything else may change on resume (README: "Resume").
-FIXED = ("cluster.ranks", "run.seed", "run.max_lag", "run.mode", "model", "workload", "trainer", "policy",
+FIXED = ("cluster.ranks", "run.seed", "run.max_lag", "run.mode", "model", "workload", "data", "reward", "trainer", "policy",
          "rollout.engine", "rollout.prompts_per_batch", "rollout.samples_per_prompt", "rollout.temperature",
          "rollout.ignore_eos", "hardware")
 

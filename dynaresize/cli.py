@@ -34,6 +34,11 @@ def prepare(raw: DictConfig, run_dir: str) -> JobConfig:
         raise ConfigError("invalid configuration:\n  run.mode: simulate is not a way to run ranks. "
                           "Fix: use dynaresize-sim with the same overrides.")
     cfg.run.output_dir = os.path.abspath(run_dir)
+    # Ranks may start elsewhere (another node, another directory): paths are fixed here, where the
+    # user wrote them.
+    cfg.data.train_files = [os.path.abspath(os.path.expanduser(p)) for p in cfg.data.train_files]
+    if cfg.model.path is not None:
+        cfg.model.path = os.path.abspath(os.path.expanduser(cfg.model.path))
     return cfg
 
 
@@ -81,6 +86,7 @@ def hydra_app(raw: DictConfig) -> None:
         if not in_mpi_job():
             from .checkpoint import check_resume
             check_resume(cfg)          # a resume that would compute something else: refused, nothing written
+            check_inputs(cfg)
     except ConfigError as e:
         print(f"dynaresize: {e}", file=sys.stderr)
         sys.exit(2)
@@ -91,6 +97,19 @@ def hydra_app(raw: DictConfig) -> None:
         print(f"dynaresize: the job failed (exit code {code}); see the rank errors above and "
               f"{cfg.run.output_dir}", file=sys.stderr)
         sys.exit(code)
+
+
+def check_inputs(cfg: JobConfig) -> None:
+    """What validation cannot see in the values alone, before anything starts: the dataset's rows
+    and prompt lengths, and that the reward function imports."""
+    from .rewards import load_reward
+    try:
+        load_reward(cfg.reward._target_, cfg.reward.kwargs)
+    except ValueError as e:
+        raise ConfigError(f"invalid configuration:\n  {e}") from None
+    if cfg.workload.task == "dataset":
+        from .data import check_dataset
+        print(f"[dynaresize] {check_dataset(cfg)}", flush=True)
 
 
 def main() -> None:

@@ -72,7 +72,7 @@ class ModelConfig:
 @dataclass
 class WorkloadConfig:
     """The task and the shape of its batches (dynaresize/shapes.py; presets in conf/workload/)."""
-    task: str = "reverse"          # reverse | sort | add
+    task: str = "reverse"          # reverse | sort | add (built-in digit tasks) | dataset (data.*)
     digits_min: int = 3
     digits_max: int = 8
     # Instruction context before the question, in tokens: log-normal (median 0: none), at most prompt_max.
@@ -91,6 +91,26 @@ class WorkloadConfig:
     oversample: list[Any] = field(default_factory=list)           # [[batch, factor], ...]: linear (DAPO)
     mixture: list[Any] = field(default_factory=list)              # task presets ({length_median: ..}), rotating every mixture_block
     mixture_block: int = 10
+
+
+@dataclass
+class DataConfig:
+    """Prompts from your own dataset (workload.task=dataset, preset workload=dataset; dynaresize/data.py)."""
+    train_files: list[str] = field(default_factory=list)  # JSONL (one object per line) or Parquet files
+    prompt_key: str = "prompt"     # the field holding the prompt text
+    answer_key: str = "answer"     # the field holding the reference answer (handed to the reward)
+    apply_chat_template: bool = True   # wrap the prompt as a user message with the tokenizer's chat template
+    max_prompt_length: Optional[int] = None  # tokens; None: no limit besides the model's positions
+    truncation: str = "error"      # a prompt over max_prompt_length: error | left (keep its end) | right (keep its start)
+    shuffle: bool = True           # a new permutation per epoch, keyed by run.seed and the epoch
+
+
+@dataclass
+class RewardConfig:
+    """The reward: `fn(prompt, response, answer, extra) -> float` (dynaresize/rewards.py)."""
+    _target_: str = "dynaresize.rewards.digit_match"   # dotted path of a function importable on every rank
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments (+reward.kwargs.NAME=VALUE)
+    on_error: str = "fail"         # a reward that raises: fail (end the job naming the sample) | zero (score 0, warn)
 
 
 @dataclass
@@ -165,6 +185,8 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -173,6 +195,8 @@ class JobConfig:
     # Hardware profile for run.mode=emulate and the simulator (conf/hardware/, +hardware=h100);
     # unset: the CPU profile fitted on this setting.
     hardware: Optional[dict[str, Any]] = None
+    # Where rank 0 writes per-iteration metrics: console (the progress line), tensorboard, wandb.
+    logger: list[str] = field(default_factory=lambda: ["console"])
 
     @property
     def batch_size(self) -> int:
@@ -327,6 +351,8 @@ def validate(cfg: JobConfig) -> None:
         longest = w.prompt_max + w.digits_max + prompt_extra_tokens(w.task) + max_response_cap(w)
     except (TypeError, ValueError):      # a malformed length_max_schedule, reported below
         longest = 0
+    if w.task == "dataset":
+        longest = 0                      # dataset prompts are measured by data.check_dataset
     if m.path is not None:
         config_json = os.path.join(m.path, "config.json")
         need(os.path.isfile(config_json), "model.path",
@@ -369,8 +395,16 @@ def validate(cfg: JobConfig) -> None:
              "float16 on cluster.device=cpu: torch's CPU kernels for half precision are missing or "
              "slow", "use model.dtype=bfloat16 or float32 on CPU (float16 needs cluster.device=cuda)")
 
-    need(w.task in ("reverse", "sort", "add"), "workload.task", f"unknown task {w.task!r}",
-         "use reverse, sort or add")
+    need(w.task in ("reverse", "sort", "add", "dataset"), "workload.task", f"unknown task {w.task!r}",
+         "use reverse, sort or add (built-in), or dataset (workload=dataset with data.train_files)")
+    if w.task == "dataset":
+        validate_data(cfg, need)
+    need(isinstance(cfg.reward._target_, str) and "." in cfg.reward._target_, "reward._target_",
+         f"is {cfg.reward._target_!r}", "give the dotted path of a function, e.g. dynaresize.rewards.gsm8k")
+    need(cfg.reward.on_error in ("fail", "zero"), "reward.on_error", f"unknown {cfg.reward.on_error!r}",
+         "use fail (end the job naming the sample) or zero (score the sample 0 and warn)")
+    from .metrics_logger import check_backends
+    errors.extend(f"  {line}" for line in check_backends(list(cfg.logger)))
     need(1 <= w.digits_min <= w.digits_max, "workload.digits_min",
          f"digits_min={w.digits_min}, digits_max={w.digits_max}", "need 1 <= digits_min <= digits_max")
     need(1 <= w.length_min <= w.length_max, "workload.length_min",
@@ -500,6 +534,28 @@ def validate(cfg: JobConfig) -> None:
 
     if errors:
         raise ConfigError("invalid configuration:\n" + "\n".join(errors))
+
+
+def validate_data(cfg: JobConfig, need) -> None:
+    """workload.task=dataset: the files and settings (data.check_dataset reads the rows later)."""
+    d, run = cfg.data, cfg.run
+    need(run.mode != "simulate", "workload.task", "is dataset, but the simulator prices synthetic batch "
+         "shapes", "simulate one of the conf/workload/ presets that resembles your data")
+    need(bool(d.train_files), "data.train_files", "is empty but workload.task is dataset",
+         "list your JSONL or Parquet files, e.g. data.train_files=[data/train.jsonl]")
+    for i, path in enumerate(d.train_files):
+        need(str(path).endswith((".jsonl", ".json", ".parquet")), f"data.train_files[{i}]",
+             f"{path!r} is neither .jsonl, .json nor .parquet", "convert it to JSONL (one object per line)")
+        need(os.path.isfile(path), f"data.train_files[{i}]", f"{path!r} does not exist",
+             "give the path of an existing file (relative paths start where dynaresize is run)")
+    need(cfg.model.path is not None, "model.path", "is unset but workload.task is dataset: the built-in "
+         "tiny model's character vocabulary cannot tokenize text", "give a Hugging Face checkpoint directory "
+         "with its tokenizer, or build a tiny one from your data: python -m dynaresize.tiny_model "
+         "--data FILE --key KEY --out DIR")
+    need(d.max_prompt_length is None or d.max_prompt_length >= 1, "data.max_prompt_length",
+         f"is {d.max_prompt_length}", "give a number of tokens, or null for no limit")
+    need(d.truncation in ("error", "left", "right"), "data.truncation", f"unknown {d.truncation!r}",
+         "use error, left (keep the prompt's end) or right (keep its start)")
 
 
 def cuda_available() -> bool:

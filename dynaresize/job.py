@@ -6,6 +6,7 @@ appends them to the timeline, asks the policy for the next split and broadcasts 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -19,11 +20,12 @@ from .comm import ControlPlane
 from .config import JobConfig, to_yaml
 from .flat import FlatLayout
 from .groups import GroupRegistry
-from .model import load_model, model_skeleton, prepare_checkpoint, save_model
+from .model import eos_token_ids, load_model, model_skeleton, prepare_checkpoint, save_model
 from .costmodel import CostModel, job_profile
 from .policy import Decision, IterationStats, make_policy
 from .prediction import Lengths
 from .resize import colocated_release, colocated_restore, switch
+from .rewards import Scorer
 from .roles import RoleTable
 from .placement import place_prompts, placement_lists
 from .rollout.base import GroupRequest, make_engine
@@ -33,7 +35,7 @@ from .timeline.schema import CRITICAL, SWITCH_OPS
 from .timeline.writer import TimelineWriter
 from .trainer import ShardedTrainer
 from .types import Sample
-from .workload import digest, make_batch, reward, sample_seed
+from .workload import digest, make_task, sample_seed
 
 
 class Job:
@@ -70,6 +72,8 @@ class Job:
         with self.rec.span(-1, "startup", "none") as ev:
             self.registry = GroupRegistry(self.world, cfg.policy.resize_unit, cfg.staging.reuse_groups)
             self.model_dir = self._shared_model_dir()
+            self.task = make_task(cfg, self.model_dir)          # where prompts come from
+            self.score = Scorer(cfg.reward, self.task.decode, eos_token_ids(self.model_dir))
             if resume is not None:
                 self.table = resume.table
                 self.policy.load_state(resume.policy_state)
@@ -95,9 +99,13 @@ class Job:
         self._new_samples: list[Sample] = []
         self._t_begin = 0.0
         self.writer = self._open_timeline(resume) if self.rank == 0 else None
-        if self.rank == 0:     # the progress line's bubble: imported (pandas) now, not inside a timed iteration
+        self.metrics = None
+        if self.rank == 0:     # imported (pandas) now, not inside a timed iteration
             from analysis.metrics import iteration_bubble
-            self.iteration_bubble = iteration_bubble
+            from .metrics_logger import MetricsLogger, iteration_metrics
+            self.iteration_bubble, self.iteration_metrics = iteration_bubble, iteration_metrics
+            self.metrics = MetricsLogger(cfg.logger, self.run_dir, config=json.loads(json.dumps(
+                dataclasses.asdict(cfg), default=str)), run_name=os.path.basename(self.run_dir))
         ctrl.barrier()                    # iteration 0 starts together, after everyone's start-up
         if getattr(self.policy, "start_reason", "") and resume is None and self.rank == 0:
             print(f"[dynaresize] {self.policy.start_reason}", flush=True)
@@ -179,7 +187,7 @@ class Job:
         if not self.table.generates(self.rank):
             return []
         r, seed = self.cfg.rollout, self.cfg.run.seed
-        prompts = make_batch(self.cfg.workload, seed, batch, r.prompts_per_batch, r.samples_per_prompt)
+        prompts = self.task.batch(seed, batch, r.prompts_per_batch, r.samples_per_prompt)
         assign = place_prompts([len(p.tokens) for p in prompts], self.table.num_rollout)
         mine = placement_lists(assign, self.table.num_rollout)[self.table.rollout_ranks().index(self.rank)]
         requests = [GroupRequest(prompts[i], tuple(sample_seed(seed, batch, i, j)
@@ -188,13 +196,17 @@ class Job:
         self.set_status(f"rollout (iteration {it}, batch {batch}, {self.table.describe()})")
         with self.rec.span(it, "rollout", self.role, batch=batch, groups=len(mine)) as ev:
             generations = self.engine.generate(requests, r.temperature)
-            ev["tokens"] = sum(len(g.tokens) for group in generations for g in group)
+            samples = [Sample(batch, req.first_index + j, req.prompt.index, self.rank, list(req.prompt.tokens),
+                              g.tokens, g.logprobs, req.prompt.response_lens[j],
+                              self.score(req.prompt, g.tokens, batch, req.first_index + j))
+                       for req, group in zip(requests, generations) for j, g in enumerate(group)]
+            ev["tokens"] = sum(len(s.response) for s in samples)
+            if self.score.failures:
+                ev["attrs"]["reward_errors"] = self.score.take_failures()
             if self.cost:
                 self.emulate(ev, self.cost.rollout_time([[len(g.tokens) for g in group] for group in generations],
                                                          [len(req.prompt.tokens) for req in requests]))
-        return [Sample(batch, req.first_index + j, req.prompt.index, self.rank, list(req.prompt.tokens),
-                       g.tokens, g.logprobs, req.prompt.response_lens[j], reward(req.prompt, g.tokens))
-                for req, group in zip(requests, generations) for j, g in enumerate(group)]
+        return samples
 
     def exchange(self, it: int, samples: list[Sample]) -> list[Sample]:
         """Hand the generated samples to every rank (control plane); returns the whole batch."""
@@ -275,7 +287,11 @@ class Job:
             stats = self._iteration_stats(it, events, generated, trained)
             decision = self.policy.decide(stats)
             self._write_timeline(it, events, start, end, generated, trained, decision)
-            self._print_progress(it, events, start, end)
+            self.metrics.log(it, self.iteration_metrics(
+                events, self._new_samples, start, end, {r: self.table.role_of(r).value for r in range(self.world)},
+                self.table.num_train, self.table.num_rollout))
+            if "console" in self.cfg.logger:
+                self._print_progress(it, events, start, end)
         self._new_samples = []
         decision, self.checkpoint_requested = self.ctrl.bcast((decision, requested))
         self._remove_staged_files()       # rank 0 broadcast only after every rank settled its reads
@@ -298,6 +314,7 @@ class Job:
         the checkpoint: staged state is not needed)."""
         if self.writer is not None:
             self.writer.close(complete=False)
+            self.metrics.close()
         self._close_engines()
         if self.ctrl.local_rank == 0:
             remove_dir(self.staging_dir)
@@ -327,6 +344,7 @@ class Job:
             self.writer.close(complete=True, end_time=self.ctrl.now(),
                               groups_created_at_startup=self.registry.creations_at_startup,
                               groups_created_after_startup=self.registry.created_after_startup)
+            self.metrics.close()
             self._print_closing_summary()
         self._close_engines()
         if self.ctrl.local_rank == 0:

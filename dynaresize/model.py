@@ -39,14 +39,17 @@ def build_tokenizer():
                                    pad_token="<pad>")
 
 
-def build_tiny_model(cfg: ModelConfig):
+def build_tiny_model(cfg: ModelConfig, vocab_size: int = VOCAB_SIZE, bos_id: int = BOS_ID,
+                     eos_id: int = EOS_ID, pad_id: int = PAD_ID):
+    """A small Qwen2 with random weights (seeded by cfg.init_seed); the defaults fit the character
+    vocabulary of the built-in tasks, a trained tokenizer passes its own size and special ids."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position,
-        tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        tie_word_embeddings=False, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
         torch_dtype=cfg.dtype,
     )
     with torch.random.fork_rng():
@@ -63,6 +66,21 @@ def prepare_checkpoint(cfg: ModelConfig, directory: str) -> str:
     build_tiny_model(cfg).save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)
     return directory
+
+
+def eos_token_ids(path: str) -> list[int]:
+    """The checkpoint's end-of-sequence ids (generation_config.json, else config.json): generation
+    stops at any of them."""
+    import json
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(path, name)) as f:
+                value = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if value is not None:
+            return [int(v) for v in (value if isinstance(value, list) else [value])]
+    return [EOS_ID]
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu"):

