@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from analysis.metrics import iteration_bubble, iteration_role_bubbles
-
 from .timeline.schema import CRITICAL, SWITCH_OPS
-from .types import Sample
+
+if TYPE_CHECKING:               # the config check imports this module: keep torch and pandas out
+    from .types import Sample
 
 BACKENDS = ("console", "tensorboard", "wandb")
 # Backend -> (package it needs, the extra that installs it).
@@ -40,6 +40,8 @@ def iteration_metrics(events: list[dict], samples: list[Sample], start: float, e
     `samples`: the samples generated in it; `roles`: rank -> role for every rank 0..world-1.
     Reward and length keys are left out when there are no samples.
     """
+    from analysis.metrics import iteration_bubble, iteration_role_bubbles   # pandas: rank 0 only
+
     span = end - start
     out: dict[str, float] = {}
     if samples:
