@@ -6,6 +6,7 @@ Usage::
                        [--trace-iterations FIRST:LAST] [--quiet]
     dynaresize-analyze RUN_DIR|TIMELINE --follow [--interval S] [--timeout S]
     dynaresize-analyze compare DIR|TIMELINE [...] [--out CSV]
+    dynaresize-analyze plan RUN_DIR|TIMELINE [ITERATION]
 
 Exit status: 0 on success, 2 when a file is not a readable timeline (the message names the
 file and the problem) or a needed package is missing, 1 when ``--follow`` timed out before the
@@ -67,12 +68,30 @@ def _compare_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _plan_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dynaresize-analyze plan",
+        description="Print the switch plan of each resize of a run (or of the one at the start of "
+                    "ITERATION): operations, ranks, critical or background, bytes per rank.")
+    p.add_argument("path", help="run folder (containing timeline.h5) or timeline file")
+    p.add_argument("iteration", nargs="?", type=int, help="only the resize at the start of this iteration")
+    return p
+
+
+def _plan(args) -> int:
+    from .plan import format_plans
+    print(format_plans(args.path, args.iteration))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``dynaresize-analyze``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] == "compare":
             return _compare(_compare_parser().parse_args(argv[1:]))
+        if argv and argv[0] == "plan":
+            return _plan(_plan_parser().parse_args(argv[1:]))
         args = _run_parser().parse_args(argv)
         if args.follow:
             from .follow import follow

@@ -21,7 +21,7 @@ import numpy as np
 from dynaresize.timeline import schema
 from dynaresize.timeline.schema import TimelineError
 
-from .load import TIMELINE_FILE
+from .load import TIMELINE_FILE, open_timeline
 
 # Reading a file that is being created, or that the writer reopens to set its final attributes,
 # can fail for a moment; such errors are retried for this long before the first good read.
@@ -44,13 +44,7 @@ class _Follower:
 
     # -- file handling ---------------------------------------------------------------------
     def open(self) -> None:
-        f = h5py.File(self.path, "r", libver="latest", swmr=True, locking=False)
-        try:
-            schema.check_file(f)
-        except BaseException:
-            f.close()
-            raise
-        self.file = f
+        self.file = open_timeline(self.path, swmr=True, locking=False)
 
     def close(self) -> None:
         if self.file is not None:

@@ -17,9 +17,8 @@ import numpy as np
 import pandas as pd
 
 from dynaresize.timeline import schema
+from dynaresize.timeline.reader import TIMELINE_FILE, open_timeline, plain, resolve_path  # noqa: F401 (re-exported)
 from dynaresize.timeline.schema import TimelineError
-
-TIMELINE_FILE = "timeline.h5"
 
 # Columns of each dataset that hold fixed-size byte strings and are decoded to str.
 _STRING_COLUMNS = {
@@ -111,49 +110,6 @@ class Timeline:
         return Path(self.path).resolve().parent.name
 
 
-def resolve_path(path: str | os.PathLike) -> Path:
-    """The timeline file of `path` (a timeline file or a run folder containing timeline.h5)."""
-    p = Path(path)
-    if p.is_dir():
-        if (p / TIMELINE_FILE).is_file():
-            return p / TIMELINE_FILE
-        raise TimelineError(f"{p} is a folder without a {TIMELINE_FILE}: give a run folder or a "
-                            f"timeline file")
-    if not p.exists():
-        raise TimelineError(f"{p}: no such file or folder")
-    return p
-
-
-def open_timeline(path: str | os.PathLike, swmr: bool = False, locking: bool | None = None) -> h5py.File:
-    """Open a timeline file read-only and check its kind and schema version.
-
-    A file that a running job holds open for writing (HDF5 SWMR), or that a killed job left
-    marked as open, is opened in SWMR read mode. Raises TimelineError for anything else that is
-    not a readable timeline (not HDF5, truncated, another kind, another schema version).
-    """
-    path = resolve_path(path)
-    kwargs = {} if locking is None else {"locking": locking}
-    try:
-        f = schema.open_read(path, swmr=swmr, **kwargs)
-    except OSError as e:
-        raise TimelineError(f"{path} cannot be read as a timeline: {_describe_os_error(e)}") from e
-    try:
-        schema.check_file(f)
-    except BaseException:
-        f.close()
-        raise
-    return f
-
-
-def _describe_os_error(e: OSError) -> str:
-    text = str(e)
-    if "signature not found" in text:
-        return f"it is not an HDF5 file ({text})"
-    if "truncated" in text:
-        return f"the file is truncated, e.g. copied or written only in part ({text})"
-    return f"the HDF5 library reports: {text}"
-
-
 def load_timeline(path: str | os.PathLike, event_attrs: bool = True) -> Timeline:
     """Load a timeline file (or the timeline.h5 of a run folder) into a `Timeline`.
 
@@ -169,7 +125,7 @@ def load_timeline(path: str | os.PathLike, event_attrs: bool = True) -> Timeline
     path = resolve_path(path)
     with open_timeline(path) as f:
         try:
-            attrs = {key: _plain(value) for key, value in f.attrs.items()}
+            attrs = {key: plain(value) for key, value in f.attrs.items()}
             tables = {}
             for name in schema.DATASETS:
                 skip = () if (name != "events" or event_attrs) else ("attrs",)
@@ -210,17 +166,6 @@ def _decode_strings(values: np.ndarray, categorical: bool):
     if categorical:
         return pd.Categorical.from_codes(codes, categories=decoded)
     return np.array(decoded, dtype=object)[codes] if len(codes) else np.array([], dtype=object)
-
-
-def _plain(value):
-    """An HDF5 attribute value as a plain Python value."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()] if value.dtype.kind in "SO" else value.tolist()
-    return value
 
 
 def parse_config(text: str, path: str | os.PathLike = "") -> dict:

@@ -4,3 +4,8 @@ Kept import-light on purpose: engines spawn processes that re-import modules, an
 analysis imports the timeline schema from here on machines without torch or MPI.
 """
 __version__ = "0.1.0"
+
+import os as _os
+
+# conf/, the Hydra configs, sits beside the package in the source tree (`pip install -e .`).
+CONF_DIR = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "conf")

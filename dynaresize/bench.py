@@ -69,13 +69,13 @@ def switch_metrics(events: list[dict]) -> dict:
 def run_benchmark(ctrl, overrides: list[str], repeats: int, splits: tuple[int, int]) -> list[dict] | None:
     from hydra import compose, initialize_config_dir
 
-    from . import cli  # noqa: F401 - registers the config schema
+    from . import CONF_DIR, cli  # noqa: F401 - cli registers the config schema
     from .config import load_config
     from .groups import GroupRegistry
     from .job import Job
     from .policy import Decision
 
-    with initialize_config_dir(config_dir=cli.CONF_DIR, version_base=None):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         raw = compose("config", overrides=BENCH_MODEL + overrides)
     cfg = load_config(raw)
     job = Job(cfg, ctrl)
@@ -153,14 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output dir (default: outputs/bench-TIME)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the run config")
     args = parser.parse_args(argv)
-    from .launch.local import find_mpiexec, is_open_mpi, mpi_env
+    from .launch.local import mpi_env, mpiexec_command
 
     out = os.path.abspath(args.out or time.strftime("outputs/bench-%Y-%m-%d_%H-%M-%S"))
     os.makedirs(out, exist_ok=True)
     lo, hi = args.splits.split(",")
-    mpiexec = find_mpiexec("mpiexec")
-    cmd = [mpiexec, "-n", str(args.ranks)] + (["--oversubscribe", "--bind-to", "none"] if is_open_mpi(mpiexec) else [])
-    cmd += [sys.executable, "-m", "dynaresize.bench", "--rank", str(args.repeats), lo, hi, out,
+    cmd = mpiexec_command(args.ranks) + [sys.executable, "-m", "dynaresize.bench", "--rank", str(args.repeats), lo, hi, out,
             f"cluster.ranks={args.ranks}", f"policy.train_ranks={lo}", "run.save_model=false", *args.overrides]
     import subprocess
     return subprocess.run(cmd, env=mpi_env()).returncode

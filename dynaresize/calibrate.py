@@ -35,8 +35,8 @@ import numpy as np
 
 from .costmodel import Coefficients, HardwareProfile, load_profile
 from .timeline import schema
+from .timeline.reader import TIMELINE_FILE, read_arrays, resolve_path
 
-TIMELINE_FILE = "timeline.h5"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,22 +59,10 @@ class Run:
         return os.path.basename(folder) or os.path.basename(p)
 
 
-def resolve(path: str) -> str:
-    if os.path.isdir(path):
-        path = os.path.join(path, TIMELINE_FILE)
-    if not os.path.isfile(path):
-        raise schema.TimelineError(f"{path}: no timeline (give a run folder or a timeline.h5)")
-    return path
-
-
 def load_run(path: str) -> Run:
-    import h5py
     import yaml
-    path = resolve(path)
-    with h5py.File(path, "r", libver="latest", swmr=True) as f:
-        schema.check_file(f)
-        attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        data = {name: f[name][...] for name in ("events", "iterations", "samples")}
+    path = str(resolve_path(path))
+    attrs, data = read_arrays(path, ("events", "iterations", "samples"), swmr=True)
     config = yaml.safe_load(attrs.get("config") or "") or {}
     return Run(path, attrs, config, data["events"], data["iterations"], data["samples"])
 

@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from . import CONF_DIR
 from .comm import in_mpi_job
 from .config import ConfigError, JobConfig, load_config, omegaconf_problem, to_yaml
 
@@ -74,8 +75,6 @@ warnings.filterwarnings("ignore", message="(?s).*is validated against ConfigStor
 # The typed schema is the base of conf/config.yaml: every field exists, with its type and default.
 ConfigStore.instance().store(name="dynaresize_schema", node=JobConfig)
 
-# conf/ sits beside the package in the source tree (installed with `pip install -e .`).
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")

@@ -454,7 +454,7 @@ def validate(cfg: JobConfig) -> None:
     need(r.release in ("sleep", "teardown", "keep"), "rollout.release", f"unknown {r.release!r}",
          "use sleep, teardown or keep")
 
-    need(t.lr > 0, "trainer.lr", f"is {t.lr}", "use a positive learning rate")
+    need(math.isfinite(t.lr) and t.lr > 0, "trainer.lr", f"is {t.lr}", "use a positive, finite learning rate, e.g. 1e-6")
     need(t.micro_batch_size >= 1 and cfg.batch_size % max(t.micro_batch_size, 1) == 0,
          "trainer.micro_batch_size",
          f"{t.micro_batch_size} does not divide the batch of {cfg.batch_size} samples "

@@ -50,12 +50,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-# conf/ beside the package in the source tree (as dynaresize.cli.CONF_DIR; not imported: hydra).
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-HARDWARE_DIR = os.path.join(CONF_DIR, "hardware")
+from . import CONF_DIR
+from .vocab import VOCAB_SIZE
 
-# dynaresize.model.VOCAB_SIZE (not imported here: that module imports torch). Tested equal.
-TINY_VOCAB_SIZE = 32
+HARDWARE_DIR = os.path.join(CONF_DIR, "hardware")
 
 
 class ProfileError(ValueError):
@@ -110,7 +108,7 @@ class ModelSpec:
                        hidden=hidden, heads=heads, kv_heads=int(c.get("num_key_value_heads", heads)),
                        head_dim=int(c.get("head_dim") or hidden // heads), weight_bytes=dtype_bytes)
         head_dim = m.hidden_size // max(m.num_heads, 1)
-        params = qwen2_params(vocab=TINY_VOCAB_SIZE, hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
+        params = qwen2_params(vocab=VOCAB_SIZE, hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
                               kv_heads=m.num_kv_heads, intermediate=m.intermediate_size, tied=False,
                               head_dim=head_dim)
         return cls(name="tiny", params=float(params), layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads,

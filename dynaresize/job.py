@@ -30,6 +30,8 @@ from .roles import RoleTable
 from .placement import place_prompts, placement_lists
 from .rollout.base import GroupRequest, make_engine
 from .staging import RUN_ID_ENV, job_staging_dir, make_private_dir, new_run_id, remove_dir
+from .launch.failure import status_path, write_status
+from .timeline.reader import TIMELINE_FILE
 from .timeline.recorder import Recorder
 from .timeline.schema import CRITICAL, SWITCH_OPS
 from .timeline.writer import TimelineWriter
@@ -55,7 +57,7 @@ class Job:
         model = CostModel.for_job(cfg, job_profile(cfg)) if emulate or cfg.policy.name == "dynamic" else None
         self.cost = model if emulate else None     # emulation: stages last what the profile's device would take
         self.policy = make_policy(cfg, model)      # the dynamic policy prices splits with the same model
-        self.status_path = os.path.join(self.run_dir, ".ranks", f"rank-{self.rank:05d}")
+        self.status_path = status_path(self.run_dir, self.rank)
         # The run id binds staged files to this job (a leftover of another run is never read as ours).
         self.run_id = ctrl.bcast((os.environ.get(RUN_ID_ENV) or new_run_id()) if self.rank == 0 else None)
         self.staging_dir = job_staging_dir(cfg.cluster.local_scratch, self.run_id)
@@ -85,6 +87,7 @@ class Job:
             weights = checkpoint.load_flat_params(resume, self.layout.numel) if resume else None
             self.engine = self.trainer = None
             self.parked_engine = None         # a released engine kept for the rank's return to rollout
+            self.parked_ranks: frozenset[int] = frozenset()   # every rank's, as the switch plans see them
             if self.table.generates(self.rank):
                 self.set_status("engine_start (startup)")
                 self.engine = self._start_engine(weights)
@@ -143,8 +146,10 @@ class Job:
                 "backend": self.backend, "device": self.device, "config": to_yaml(self.cfg),
                 "policy": self.cfg.policy.name, "max_lag": self.cfg.run.max_lag,
                 "hostnames": json.dumps(self.ctrl.hostnames), "parameters": self.layout.numel,
+                # the model the switch plan prices: the profile's when emulating (switchplan)
+                "priced_parameters": self.cost.numel if self.cost else self.layout.numel,
                 "dynaresize_version": __version__}
-        path = os.path.join(self.run_dir, "timeline.h5")
+        path = os.path.join(self.run_dir, TIMELINE_FILE)
         if resume is not None and os.path.exists(path):
             return TimelineWriter(path, meta, resume_after=resume.iteration)
         return TimelineWriter(path, meta)
@@ -156,14 +161,7 @@ class Job:
     def set_status(self, text: str) -> None:
         """What this rank is doing, for the launcher's report if the job dies (one small file,
         replaced atomically: a reader never finds it empty)."""
-        from .launch.failure import write_status
         write_status(self.status_path, text, self.rank)
-
-    def staging_transport(self, train_block: int) -> str:
-        """file when the ranks that exchange state share a node (and its scratch), else network."""
-        if self.cfg.staging.transport != "auto":
-            return self.cfg.staging.transport
-        return "file" if len(set(self.ctrl.hostnames[:train_block])) == 1 else "network"
 
     def settle_background(self) -> None:
         """Wait for this rank's background switch operations (any wait is recorded as critical)."""
@@ -356,7 +354,7 @@ class Job:
         """Rank 0, after the timeline is closed: the run in three lines, and its report."""
         import analysis
         from analysis.report import closing_summary
-        path = os.path.join(self.run_dir, "timeline.h5")
+        path = os.path.join(self.run_dir, TIMELINE_FILE)
         tl = analysis.load_timeline(path)
         report = analysis.write_report(tl) if self.cfg.run.report else None
         print(f"[dynaresize] done: timeline {path}", flush=True)

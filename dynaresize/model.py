@@ -13,11 +13,7 @@ import torch
 
 from .config import ModelConfig
 
-# Character vocabulary of the synthetic tasks (see workload.py); ids 0-2 are special.
-SPECIAL = ("<pad>", "<bos>", "<eos>")
-CHARS = "0123456789=+"
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-VOCAB_SIZE = 32  # len(SPECIAL) + len(CHARS), padded to a multiple of 8; ids above are never targets
+from .vocab import BOS_ID, CHARS, EOS_ID, PAD_ID, SPECIAL, VOCAB_SIZE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

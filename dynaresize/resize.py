@@ -1,20 +1,10 @@
-"""The switch: one resize as a small plan of timed operations, critical or background.
+"""The switch, executed: each operation of the plan (dynaresize.switchplan) that involves this
+rank, in the plan's order, timed on the timeline as critical or background.
 
-Moving from k to k' train ranks (train ranks are the block [0, k), so old and new train sets are
-both prefixes of the ranks):
-
-  rank joining training   release engine --------------------> weight_load (from train rank 0)
-  rank leaving training   stage_out (spill shard) -> engine_start -> weight_load (own weights)
-  old owners staying      stage_out .................(background, overlaps the next stage)
-  every rank              commit (all ranks acknowledge v'), then group_switch (registry lookup)
-  new owners              stage_in of their new range .......(background until the optimizer step)
-
-Only what the next stage needs in order to start is critical. Optimizer state is needed at the
-optimizer step, after the forward and backward passes of the next training step, so staging it in
-overlaps that work; if it is not done by then, the wait is recorded as critical time. The commit
-comes first: every rank acknowledges the new table version before any rank acts on it, and a rank
-that fails anywhere in the switch aborts the whole job (see worker.py), so two versions are never
-live.
+A background operation runs in a thread and is waited for where its result is needed (the staged
+optimizer range at the optimizer step); only the part the main thread waited for is recorded as
+critical. A rank that fails anywhere in the switch aborts the whole job (see worker.py), so two
+table versions are never live.
 """
 from __future__ import annotations
 
@@ -27,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import switchplan
 from .flat import shard_range
 from .model import load_model
 from .policy import Decision
@@ -44,8 +35,8 @@ class SwitchError(RuntimeError):
     pass
 
 
-class Plan:
-    """Runs and records the operations of one switch on one rank."""
+class OpTimer:
+    """Runs, times and records the operations of one switch on one rank."""
 
     def __init__(self, job, it: int, old: RoleTable, new: RoleTable):
         self.job, self.it, self.old, self.new = job, it, old, new
@@ -102,9 +93,9 @@ class BackgroundOp:
     """An operation in a thread. Its time is background, except the part the main thread waits for,
     which is recorded as critical: the hidden share counts only what was really hidden."""
 
-    def __init__(self, plan: Plan, name: str, fn):
-        self.plan, self.name, self.fn = plan, name, fn
-        self.clock = plan.job.ctrl.now
+    def __init__(self, timer: OpTimer, name: str, fn):
+        self.timer, self.name, self.fn = timer, name, fn
+        self.clock = timer.job.ctrl.now
         self.start = self.clock()
         self.end = None
         self._result, self._nbytes, self._error, self._recorded = None, 0, None, False
@@ -126,16 +117,16 @@ class BackgroundOp:
             self._recorded = True
             self._record(waited_from)
         if self._error is not None:
-            raise SwitchError(f"rank {self.plan.job.rank}: switch operation {self.name!r} failed "
-                              f"({self.plan.label}): {type(self._error).__name__}: {self._error}") from self._error
+            raise SwitchError(f"rank {self.timer.job.rank}: switch operation {self.name!r} failed "
+                              f"({self.timer.label}): {type(self._error).__name__}: {self._error}") from self._error
         return self._result
 
     def _record(self, waited_from: float) -> None:
-        job, plan = self.plan.job, self.plan
-        role = plan.new.role_of(job.rank).value
+        job, timer = self.timer.job, self.timer
+        role = timer.new.role_of(job.rank).value
         nbytes = self._nbytes
         split = min(max(waited_from, self.start), self.end)
-        base = {"iteration": plan.it, "rank": job.rank, "role": role, "name": self.name, "tokens": 0}
+        base = {"iteration": timer.it, "rank": job.rank, "role": role, "name": self.name, "tokens": 0}
         job.rec.add({**base, "start": self.start, "end": split, "critical": BACKGROUND, "bytes": nbytes,
                      "attrs": {}})
         if self.end > split:               # the main thread had to wait: that part was not hidden
@@ -150,105 +141,122 @@ def inject_fault(rank: int, op: str) -> None:
 
 
 def switch(job, it: int, decision: Decision) -> None:
-    """Move from the current table to one with `decision.to_train` train ranks."""
+    """Move from the current table to one with `decision.to_train` train ranks: run this rank's
+    operations of the switch plan."""
     old = job.table
     new = old.with_split(decision.to_train)
-    plan = Plan(job, it, old, new)
-    k, k2, r = old.num_train, new.num_train, job.rank
-    was_train, will_train = old.trains(r), new.trains(r)
-    numel = job.layout.numel
-    staging = job.cfg.staging
-    network = job.staging_transport(max(k, k2)) == "network"
-    weight_bytes = job.cost.weight_bytes if job.cost else 0      # sizes emulation prices (the profile's model)
+    sp = switchplan.plan(old, new, parked=job.parked_ranks,
+                         transport=switchplan.transport(job.cfg.staging.transport, job.ctrl.hostnames,
+                                                        max(old.num_train, new.num_train)),
+                         numel=job.cost.numel if job.cost else job.layout.numel,   # emulation prices the profile's model
+                         release_mode=job.cfg.rollout.release, staging_critical=job.cfg.staging.critical)
+    run = SwitchRun(job, OpTimer(job, it, old, new), sp)
+    for op in sp.for_rank(job.rank):
+        getattr(run, op.name)(op)
+    run.finish()
 
-    with plan.op("commit", price={"ranks": job.world}):   # every rank acknowledges v' before anyone acts
-        versions = job.ctrl.allgather(new.version)
-        if len(set(versions)) != 1:
-            raise SwitchError(f"ranks disagree on the new table version: {versions}")
 
-    with plan.op("group_switch", reuse=job.registry.reuse):  # every rank, before any group is used
-        job.registry.ensure(k2)                      # a lookup; a collective creation only without reuse
+class SwitchRun:
+    """One rank's part of a switch: a method per operation name, called in the plan's order."""
 
-    if not was_train and will_train:                 # joining training: the engine's memory goes first
-        with plan.op("release", price={"release_mode": job.cfg.rollout.release}, mode=job.cfg.rollout.release):
-            job.engine.release()                     # parked: sleep mode keeps it for a cheap return
+    def __init__(self, job, timer: OpTimer, sp: switchplan.SwitchPlan):
+        self.job, self.timer, self.sp = job, timer, sp
+        self.k, self.k2, self.r = sp.old.num_train, sp.new.num_train, job.rank
+        self.was_train, self.will_train = sp.old.trains(self.r), sp.new.trains(self.r)
+        self.shard = job.trainer.export_shard() if self.was_train else None
+        self.new_shard = None            # this rank's new range, when resharded over the network
+        self.pending = None              # ... or being staged in
+
+    def commit(self, op) -> None:        # every rank acknowledges v' before anyone acts
+        job = self.job
+        with self.timer.op(op.name, price=op.price):
+            versions = job.ctrl.allgather(self.sp.new.version)
+            if len(set(versions)) != 1:
+                raise SwitchError(f"ranks disagree on the new table version: {versions}")
+
+    def group_switch(self, op) -> None:  # every rank, before any group of the new split is used
+        job = self.job
+        with self.timer.op(op.name, reuse=job.registry.reuse):
+            job.registry.ensure(self.k2)  # a lookup; a collective creation only without reuse
+
+    def release(self, op) -> None:       # joining training: the engine's memory goes first
+        job = self.job
+        with self.timer.op(op.name, price=op.price, mode=job.cfg.rollout.release):
+            job.engine.release()         # parked: sleep mode keeps it for a cheap return
             job.parked_engine, job.engine = job.engine, None
 
-    new_shard = None
-    if was_train:
-        shard = job.trainer.export_shard()
-        if network:                                  # across nodes: ranges move over the data plane
-            with plan.op("reshard", price={"nbytes": 3 * weight_bytes, "ranks": max(k, k2), "broadcasts": k}) as ev:
-                new_shard = reshard_over_network(job, shard, k, k2, numel)
-                ev["bytes"] = 3 * (shard.hi - shard.lo) * 4
-        else:
-            path = shard_path(job.staging_dir, new.version, r)
+    def reshard(self, op) -> None:       # across nodes: ranges move over the data plane
+        job = self.job
+        with self.timer.op(op.name, price=op.price) as ev:
+            self.new_shard = reshard_over_network(job, self.shard, self.k, self.k2, job.layout.numel)
+            ev["bytes"] = 3 * (self.shard.hi - self.shard.lo) * 4 if self.shard is not None else 0
 
-            out_price = {"nbytes": shard_bytes(job, k)}
+    def stage_out(self, op) -> None:
+        job, staging = self.job, self.job.cfg.staging
+        path = shard_path(job.staging_dir, self.sp.new.version, self.r)
+        price = op.price_for(self.r)
 
-            def stage_out(shard=shard, path=path):
-                hold = job.emulated_until(job.ctrl.now(), "stage_out", out_price) if job.cost else None
-                return None, write_shard(path, shard, new.version, staging.buffer_mb, job.run_id, staging.fsync, hold)
+        def write(shard=self.shard, path=path):
+            hold = job.emulated_until(job.ctrl.now(), op.name, price) if job.cost else None
+            return None, write_shard(path, shard, self.sp.new.version, staging.buffer_mb, job.run_id, staging.fsync, hold)
 
-            if will_train:
-                plan.background("stage_out", stage_out, critical=staging.critical, price=out_price)
-            else:                                    # leaving: spill now, its memory is the engine's
-                with plan.op("stage_out", price=out_price) as ev:
-                    ev["bytes"] = stage_out()[1]
-            job.staged_files.append(path)
-    elif network and r < max(k, k2):
-        with plan.op("reshard", price={"nbytes": 3 * weight_bytes, "ranks": max(k, k2), "broadcasts": k}):
-            new_shard = reshard_over_network(job, None, k, k2, numel)
+        if self.will_train:
+            self.timer.background(op.name, write, critical=op.critical, price=price)
+        else:                            # leaving: spill now, its memory is the engine's
+            with self.timer.op(op.name, price=price) as ev:
+                ev["bytes"] = write()[1]
+        job.staged_files.append(path)
 
-    if was_train and not will_train:                 # joining rollout: engine, then its own weights
+    def engine_start(self, op) -> None:  # joining rollout: its parked engine or a new one
+        job = self.job
         restored = job.parked_engine is not None
-        with plan.op("engine_start", price={"restore": restored, "release_mode": job.cfg.rollout.release},
-                     restored=restored):
-            if job.parked_engine is not None:
+        with self.timer.op(op.name, price=op.price_for(self.r), restored=restored):
+            if restored:
                 job.engine, job.parked_engine = job.parked_engine, None
                 job.engine.restore()
             else:
                 job.engine = job._start_engine()
-        with plan.op("weight_load", price={"nbytes": weight_bytes}) as ev:
-            job.engine.load_weights(job.layout.views(job.trainer.flat))
-            ev["bytes"] = numel * 4
-        job.trainer = None
 
-    if k2 > k and will_train:                        # the new train set gets train rank 0's weights
-        with plan.op("weight_load", price={"nbytes": weight_bytes, "ranks": k2}) as ev:
-            if job.trainer is None:
-                job.trainer = ShardedTrainer(load_model(job.model_dir, "float32", job.device), job.cfg.trainer,
-                                             job.cfg.rollout.temperature, job.device)
-            dist.broadcast(job.trainer.flat, src=0, group=job.registry.get("train", k2))
-            ev["bytes"] = numel * 4
+    def weight_load(self, op) -> None:
+        job = self.job
+        with self.timer.op(op.name, price=op.price) as ev:
+            if not op.collective:        # leaving training: its own weights into its engine
+                job.engine.load_weights(job.layout.views(job.trainer.flat))
+            else:                        # the new train set gets train rank 0's weights
+                if job.trainer is None:
+                    job.trainer = ShardedTrainer(load_model(job.model_dir, "float32", job.device), job.cfg.trainer,
+                                                 job.cfg.rollout.temperature, job.device)
+                dist.broadcast(job.trainer.flat, src=0, group=job.registry.get("train", self.k2))
+            ev["bytes"] = job.layout.numel * 4
 
-    if will_train:
-        lo, hi = shard_range(numel, k2, new.train_ranks().index(r))
-        if network:
-            pending = Done(new_shard)
-        else:
-            in_price = {"nbytes": shard_bytes(job, k2)}
+    def stage_in(self, op) -> None:      # this rank's new range, from the files of its old owners
+        job = self.job
+        numel, version, k = job.layout.numel, self.sp.new.version, self.k
+        lo, hi = shard_range(numel, self.k2, self.sp.new.train_ranks().index(self.r))
+        price = op.price_for(self.r)
 
-            def stage_in(lo=lo, hi=hi):
-                holds = []          # emulation: the read lasts its price from when its files exist
-                ready = (lambda: holds.append(job.emulated_until(job.ctrl.now(), "stage_in", in_price))) \
-                    if job.cost else None
-                shard = read_shard(job.staging_dir, new.version, k, numel, lo, hi, shard_range, job.run_id, ready)
-                for hold in holds:
-                    hold()
-                return shard, 3 * (hi - lo) * 4
+        def read(lo=lo, hi=hi):
+            holds = []                   # emulation: the read lasts its price from when its files exist
+            ready = (lambda: holds.append(job.emulated_until(job.ctrl.now(), op.name, price))) if job.cost else None
+            shard = read_shard(job.staging_dir, version, k, numel, lo, hi, shard_range, job.run_id, ready)
+            for hold in holds:
+                hold()
+            return shard, 3 * (hi - lo) * 4
 
-            pending = plan.background("stage_in", stage_in, critical=staging.critical)
-        job.trainer.join(job.registry.get("train", k2), new.train_ranks(), r, pending=pending)
+        self.pending = self.timer.background(op.name, read, critical=op.critical)
 
-    job.registry.release_unreused(k)                 # without reuse, the old split's groups go
-    job.table = new
-    job.set_status(f"running ({new.describe()})")
-
-
-def shard_bytes(job, shards: int) -> int:
-    """The priced size of one staged shard (run.mode=emulate prices the profile's model)."""
-    return job.cost.shard_bytes(shards) if job.cost else 0
+    def finish(self) -> None:
+        """The rank's new role: its trainer joins the new train group (its range still arriving,
+        maybe), or it is gone; the groups of the old split go (without reuse); the new table."""
+        job = self.job
+        if self.was_train and not self.will_train:
+            job.trainer = None
+        if self.will_train:
+            pending = self.pending if self.pending is not None else Done(self.new_shard)
+            job.trainer.join(job.registry.get("train", self.k2), self.sp.new.train_ranks(), self.r, pending=pending)
+        job.registry.release_unreused(self.k)
+        job.table, job.parked_ranks = self.sp.new, self.sp.parked_after
+        job.set_status(f"running ({self.sp.new.describe()})")
 
 
 def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: int) -> ShardState | None:
@@ -283,16 +291,16 @@ def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: 
 
 def colocated_release(job, it: int) -> None:
     """Colocated: every rank frees its engine before training (a switch every iteration)."""
-    plan = Plan(job, it, job.table, job.table)
-    with plan.op("release", price={"release_mode": job.cfg.rollout.release}):
+    timer = OpTimer(job, it, job.table, job.table)
+    with timer.op("release", price={"release_mode": job.cfg.rollout.release}):
         job.engine.release()
 
 
 def colocated_restore(job, it: int) -> None:
     """Colocated: restore the engine after training and load the new weights (held locally)."""
-    plan = Plan(job, it, job.table, job.table)
-    with plan.op("engine_start", price={"restore": True, "release_mode": job.cfg.rollout.release}):
+    timer = OpTimer(job, it, job.table, job.table)
+    with timer.op("engine_start", price={"restore": True, "release_mode": job.cfg.rollout.release}):
         job.engine.restore()
-    with plan.op("weight_load", price={"nbytes": job.cost.weight_bytes if job.cost else 0}) as ev:
+    with timer.op("weight_load", price={"nbytes": job.cost.weight_bytes if job.cost else 0}) as ev:
         job.engine.load_weights(job.layout.views(job.trainer.flat))
         ev["bytes"] = job.layout.numel * 4

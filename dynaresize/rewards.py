@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import re
 from collections.abc import Mapping
 from fractions import Fraction
@@ -148,15 +149,20 @@ def load_reward(target: str, kwargs: Optional[Mapping[str, Any]] = None) -> Rewa
     the field and the fix when it cannot be loaded."""
     from hydra.utils import get_method
 
-    fix = ("set it to a dotted path to a function importable on every rank, e.g. "
-           "dynaresize.rewards.gsm8k; put your module on PYTHONPATH")
+    fix = ("Fix: set it to the dotted path of a function importable on every rank, e.g. "
+           "dynaresize.rewards.gsm8k (put your module on PYTHONPATH)")
     if not isinstance(target, str) or "." not in target:
-        raise ValueError(f"reward._target_ is {target!r}: not a dotted path; {fix}")
+        raise ValueError(f"reward._target_: {target!r} is not a dotted path. {fix}")
+    hydra_log = logging.getLogger("hydra.utils")   # it logs the failure too; ours names the field
+    level, hydra_log.level = hydra_log.level, logging.CRITICAL
     try:
         fn = get_method(target)
     except Exception as e:  # ImportError, AttributeError, "non-callable": all the same fix
-        raise ValueError(f"reward._target_ {target!r} cannot be loaded "
-                         f"({type(e).__name__}: {e}); {fix}") from e
+        cause = e.__cause__ or e
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        raise ValueError(f"reward._target_: {target!r} cannot be loaded ({reason}). {fix}") from e
+    finally:
+        hydra_log.level = level
     kwargs = dict(kwargs or {})
     if not kwargs:
         return fn
@@ -164,8 +170,8 @@ def load_reward(target: str, kwargs: Optional[Mapping[str, Any]] = None) -> Rewa
     try:
         inspect.signature(fn).bind_partial("", "", "", {}, **kwargs)
     except TypeError as e:
-        raise ValueError(f"reward.kwargs {sorted(kwargs)} do not fit {target} ({e}); "
-                         f"use only keyword arguments that {target} takes") from e
+        raise ValueError(f"reward.kwargs: {sorted(kwargs)} do not fit {target} ({e}). "
+                         f"Fix: use only keyword arguments that {target} takes") from e
     except ValueError:
         pass  # no signature to check (some builtins)
     return functools.partial(fn, **kwargs)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .config import JobConfig, WorkloadConfig
-from .model import BOS_ID, CHARS, SPECIAL
+from .vocab import BOS_ID, CHARS, SPECIAL
 from .shapes import batch_shape, keyed_rng
 
 DIGIT_IDS = [3 + CHARS.index(d) for d in "0123456789"]

@@ -34,12 +34,8 @@ def run_cli(run_dir, *overrides, timeout=240, check=True, entry="dynaresize.cli"
 
 def run_ranks(n: int, scenario: str, *args, timeout=240, check=True) -> subprocess.CompletedProcess:
     """Run `tests/mpi/scenarios.py SCENARIO ARGS` on `n` real MPI ranks."""
-    from dynaresize.launch.local import find_mpiexec, is_open_mpi
-    mpiexec = find_mpiexec("mpiexec")
-    cmd = [mpiexec, "-n", str(n)]
-    if is_open_mpi(mpiexec):
-        cmd += ["--oversubscribe", "--bind-to", "none"]
-    cmd += [sys.executable, SCENARIOS, scenario, *map(str, args)]
+    from dynaresize.launch.local import mpiexec_command
+    cmd = mpiexec_command(n) + [sys.executable, SCENARIOS, scenario, *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"scenario {scenario} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\n"

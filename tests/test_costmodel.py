@@ -12,7 +12,7 @@ import yaml
 
 from dynaresize.config import ModelConfig
 from dynaresize.costmodel import (CONF_DIR, Coefficients, CostModel, HardwareProfile, ModelSpec, ProfileError,
-                                  TINY_VOCAB_SIZE, available_profiles, load_profile, qwen2_params)
+                                  available_profiles, load_profile, qwen2_params)
 from dynaresize.timeline.schema import SWITCH_OPS
 
 HARDWARE = os.path.join(CONF_DIR, "hardware")
@@ -68,8 +68,6 @@ def test_bad_profiles_name_the_field():
 
 
 def test_model_sizes():
-    from dynaresize.model import VOCAB_SIZE
-    assert TINY_VOCAB_SIZE == VOCAB_SIZE
     tiny = ModelSpec.from_model_config(ModelConfig())
     assert tiny.params == 304256                  # the `parameters` attribute of a real run's timeline
     # Qwen2.5-7B from its config.json sizes: the model card's 7.61B

@@ -139,8 +139,8 @@ def test_bad_dataset_or_reward_is_refused_before_any_rank_starts(user_files, sta
     cases = [({"data": {"max_prompt_length": 8}}, "data.max_prompt_length: 200 prompt(s) are longer than 8"),
              ({"data": {"max_prompt_length": 8, "truncation": "left"}}, None),
              ({"workload": {"length_max": 2000}}, "max_position_embeddings"),
-             ({"reward": {"_target_": "nowhere.reward"}}, "reward._target_ 'nowhere.reward' cannot be loaded"),
-             ({"reward": {"kwargs": {"fromat_score": 0.1}}}, "reward.kwargs ['fromat_score'] do not fit"),
+             ({"reward": {"_target_": "nowhere.reward"}}, "reward._target_: 'nowhere.reward' cannot be loaded (ModuleNotFoundError"),
+             ({"reward": {"kwargs": {"fromat_score": 0.1}}}, "reward.kwargs: ['fromat_score'] do not fit"),
              ({"model": {"path": None}}, "model.path: is unset but workload.task is dataset"),
              ({"data": {"train_files": ["missing.jsonl"]}}, "data.train_files[0]: 'missing.jsonl' does not exist")]
     base = OmegaConf.load(static_dataset_run / "config.yaml")

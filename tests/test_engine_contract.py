@@ -199,10 +199,8 @@ def test_vllm_rollout_ranks_follow_the_trainer(tmp_path):
     ranks' greedy outputs equal the trainer's model's greedy decoding."""
     import subprocess
 
-    from dynaresize.launch.local import find_mpiexec, is_open_mpi
-    mpiexec = find_mpiexec("mpiexec")
-    cmd = [mpiexec, "-n", "3"] + (["--oversubscribe", "--bind-to", "none"] if is_open_mpi(mpiexec) else [])
-    cmd += [sys.executable, os.path.join(ROOT, "tests", "mpi", "vllm_scenarios.py"), "vllm_sync", str(tmp_path)]
+    from dynaresize.launch.local import mpiexec_command
+    cmd = mpiexec_command(3) + [sys.executable, os.path.join(ROOT, "tests", "mpi", "vllm_scenarios.py"), "vllm_sync", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-8000:]}"
     result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("OK ")][-1][3:])

@@ -38,13 +38,28 @@ def assert_same_rl(a_dir, b_dir, exact=False):
     return diff
 
 
+def switch_ops(run_dir) -> dict[int, set]:
+    """{iteration: {(operation, rank, critical?)}} of the switch operations a run recorded (a
+    background operation may end with a critical part, the wait for it: it counts as background)."""
+    from dynaresize.timeline.schema import BACKGROUND, CRITICAL, SWITCH_OPS
+    ev = timeline(run_dir)[0]["events"]
+    flags: dict[tuple, set] = {}
+    for e in ev[np.isin(ev["critical"], [CRITICAL, BACKGROUND]) & (ev["iteration"] >= 0)]:
+        if e["name"].decode() in SWITCH_OPS:
+            flags.setdefault((int(e["iteration"]), e["name"].decode(), int(e["rank"])), set()).add(int(e["critical"]))
+    out: dict[int, set] = {}
+    for (it, name, rank), f in flags.items():
+        out.setdefault(it, set()).add((name, rank, BACKGROUND not in f))
+    return out
+
+
 def resizes(run_dir):
     its = timeline(run_dir)[0]["iterations"]
     splits = list(its["train_ranks"])
     return splits, sum(b > a for a, b in zip(splits, splits[1:])), sum(b < a for a, b in zip(splits, splits[1:]))
 
 
-def test_scripted_resizes_preserve_tokens_and_weights(static_run, tmp_path):
+def test_scripted_resizes_preserve_tokens_and_weights(static_run, tmp_path, capsys):
     static_dir, _ = static_run                        # static 2T/2R, lag 1, 8 iterations
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -60,6 +75,26 @@ def test_scripted_resizes_preserve_tokens_and_weights(static_run, tmp_path):
     assert {b"stage_out", b"stage_in", b"group_switch", b"commit", b"engine_start", b"weight_load",
             b"release"} <= names
     assert os.listdir(scratch) == [], "staging directory left behind"
+
+    # One switch plan: the runtime executed, and the simulator priced, exactly the operations of
+    # the plan replayed from the run's table history (names, ranks, critical or background).
+    from analysis.plan import switch_plans
+    from dynaresize.sim import setup_from_overrides, simulate
+    plans = switch_plans(run)
+    assert sorted(plans) == list(range(1, 9))
+    planned = {it: {(op.name, r, op.critical) for op in p.ops for r in op.ranks} for it, p in plans.items()}
+    assert switch_ops(run) == planned
+    simulate(setup_from_overrides(["policy=scripted", f"policy.schedule={SCHEDULE}", "run.iterations=8"]),
+             tmp_path / "sim")
+    assert switch_ops(tmp_path / "sim") == planned
+    for tl in (events, timeline(tmp_path / "sim")[0]):                   # the plan's bytes, as moved and priced
+        loads = tl["events"][tl["events"]["name"] == b"weight_load"]
+        assert set(loads["bytes"]) == {4 * int(attrs["parameters"])}
+    from analysis.cli import main as analyze
+    capsys.readouterr()
+    assert analyze(["plan", str(run), "1"]) == 0                         # dynaresize-analyze plan RUN 1
+    printed = capsys.readouterr().out
+    assert "iteration 1: switch v0 1T/3R -> v1 3T/1R (file transport)" in printed and "stage_in" in printed
 
 
 def test_lag0_resizes_without_reuse_over_network_transport_and_colocated(tmp_path):

@@ -123,5 +123,5 @@ def test_load_reward_errors(target, reason):
 
 
 def test_load_reward_bad_kwargs():
-    with pytest.raises(ValueError, match=r"reward.kwargs .*format_scor"):
+    with pytest.raises(ValueError, match=r"reward.kwargs: .*format_scor"):
         load_reward("dynaresize.rewards.gsm8k", {"format_scor": 0.1})

@@ -126,7 +126,8 @@ def test_valid_values_at_the_edges_pass(tmp_path, hf_checkpoint, runtime_schema)
     (--cfg job, --help) still work."""
     from hydra import compose, initialize_config_dir
 
-    from dynaresize.cli import CONF_DIR, check_command_line
+    from dynaresize import CONF_DIR
+    from dynaresize.cli import check_command_line
 
     valid = ["trainer.betas=[0.0,0.5]", "trainer.eps=1e-6", "trainer.weight_decay=0", "trainer.grad_clip=0",
              "workload.length_growth=-0.5", "model.dtype=bfloat16", "policy=scripted",

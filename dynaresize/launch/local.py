@@ -50,15 +50,10 @@ class Finished:
     stopped_by: int | None = None           # the signal that stopped the job, if one did
 
 
-def run_and_watch(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
-    """Run `cmd`, passing its output through, and keep its lines for a failure report."""
-    done = run_watching_ranks(cmd, env)
-    return done.code, done.lines
-
-
 def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0) -> Finished:
-    """`run_and_watch`, and with `ranks` > 0 also the order in which the ranks that `cmd` starts
-    on this machine end ([(time, rank)], RankWatch): the first is the cause of a failure.
+    """Run `cmd`, passing its output through and keeping its lines for a failure report; with
+    `ranks` > 0 also the order in which the ranks that `cmd` starts on this machine end
+    ([(time, rank)], RankWatch): the first is the cause of a failure.
 
     The launcher owns its job: SIGINT, SIGTERM and SIGHUP are passed on to `cmd` (mpiexec stops
     its ranks), and if the job has not ended STOP_GRACE_S later its processes are killed, so no
@@ -113,17 +108,28 @@ def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0) -> F
     return Finished(code, lines, exits, stopped[0] if stopped else None)
 
 
+def mpiexec_command(ranks: int, mpiexec: str = "mpiexec") -> list[str]:
+    """`mpiexec -n RANKS` on this machine (Open MPI: more ranks than cores is fine for CPU runs)."""
+    mpiexec = find_mpiexec(mpiexec)
+    return [mpiexec, "-n", str(ranks)] + (["--oversubscribe", "--bind-to", "none"] if is_open_mpi(mpiexec) else [])
+
+
 def launch(cfg: JobConfig, config_path: str) -> int:
-    mpiexec = find_mpiexec(cfg.cluster.mpiexec)
-    cmd = [mpiexec, "-n", str(cfg.cluster.ranks)]
-    if is_open_mpi(mpiexec):
-        cmd += ["--oversubscribe", "--bind-to", "none"]   # more ranks than cores is fine for CPU runs
+    cmd = mpiexec_command(cfg.cluster.ranks, cfg.cluster.mpiexec)
     cmd += list(cfg.cluster.mpiexec_args) + [sys.executable, "-m", "dynaresize.worker", config_path]
     print(f"[dynaresize] starting {cfg.cluster.ranks} ranks: {' '.join(cmd)}", flush=True)
+    return supervise(cmd, mpi_env(), cfg, ranks_here=cfg.cluster.ranks)
+
+
+def supervise(cmd: list[str], env: dict[str, str], cfg: JobConfig, ranks_here: int) -> int:
+    """Run the command that starts the ranks (mpiexec here, srun in an allocation) and own the job:
+    pass stop signals on, remove this node's staging when it ends however it ends, name the rank
+    that failed first and what it was doing, and mend a timeline left open. `ranks_here`: ranks
+    that `cmd` starts as this process's descendants (RankWatch sees their order of exit)."""
     clear_statuses(cfg.run.output_dir)   # an earlier run's, in a resumed run's directory
     run_id = new_run_id()                # the ranks' staging directory is named after it
     try:
-        done = run_watching_ranks(cmd, {**mpi_env(), RUN_ID_ENV: run_id}, cfg.cluster.ranks)
+        done = run_watching_ranks(cmd, {**env, RUN_ID_ENV: run_id}, ranks_here)
     finally:                         # a rank that died cannot clean up its staged state
         remove_dir(job_staging_dir(cfg.cluster.local_scratch, run_id))
     code = done.code
@@ -140,9 +146,10 @@ def launch(cfg: JobConfig, config_path: str) -> int:
     if code != 0:
         # Rank 0 killed while it wrote the timeline (a few ms an iteration) leaves the file marked
         # as open for writing, which plain h5py refuses; every rank has ended, so it is mended here.
+        from ..timeline.reader import TIMELINE_FILE
         from ..timeline.writer import repair_timeline
         try:
-            repaired = repair_timeline(os.path.join(cfg.run.output_dir, "timeline.h5"))
+            repaired = repair_timeline(os.path.join(cfg.run.output_dir, TIMELINE_FILE))
         except (OSError, ValueError) as e:         # TimelineError is a ValueError
             repaired = f"could not repair the timeline: {e}"
         if repaired:

@@ -15,6 +15,8 @@ import sys
 import time
 
 from ..config import ConfigError, JobConfig
+from ..timeline.reader import TIMELINE_FILE, open_timeline
+from ..timeline.schema import TimelineError
 
 
 class RankTask:
@@ -92,7 +94,7 @@ def make_executor(cfg: JobConfig):
 
 def follow(job, cfg: JobConfig, poll_s: float = 2.0) -> int:
     """A progress line until the job ends; the exit code of the job."""
-    timeline = os.path.join(cfg.run.output_dir, "timeline.h5")
+    timeline = os.path.join(cfg.run.output_dir, TIMELINE_FILE)
     total = cfg.run.iterations + cfg.run.max_lag
     last = None
     while not job.done():
@@ -111,13 +113,10 @@ def follow(job, cfg: JobConfig, poll_s: float = 2.0) -> int:
 
 
 def iterations_done(timeline: str) -> int:
-    if not os.path.exists(timeline):
-        return 0
     try:
-        import h5py
-        with h5py.File(timeline, "r", libver="latest", swmr=True) as f:
+        with open_timeline(timeline, swmr=True) as f:
             return len(f["iterations"])
-    except OSError:
+    except (OSError, TimelineError):          # not written yet, or being created
         return 0
 
 

@@ -5,8 +5,7 @@ import os
 import sys
 
 from ..config import JobConfig
-from .failure import explain_failure
-from .local import run_and_watch
+from .local import supervise
 
 
 def launch(cfg: JobConfig, config_path: str) -> int:
@@ -19,9 +18,5 @@ def launch(cfg: JobConfig, config_path: str) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PMIX_MCA_psec=os.environ.get("PMIX_MCA_psec", "native"))
     print(f"[dynaresize] starting {cfg.cluster.ranks} ranks in job {os.environ['SLURM_JOB_ID']}: "
           f"{' '.join(cmd)}", flush=True)
-    code, lines = run_and_watch(cmd, env)
-    if code != 0:
-        why = explain_failure(lines, cfg.run.output_dir)
-        if why:
-            print(f"dynaresize: {why}", file=sys.stderr, flush=True)
-    return code
+    # srun's tasks run under slurmstepd, not under this process: their order of exit is not seen here.
+    return supervise(cmd, env, cfg, ranks_here=0)

@@ -19,12 +19,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from .. import CONF_DIR
 from ..config import ConfigError
 from .config import prepare, register_schema
 from .core import Simulator, summary_line
 
 register_schema()
-from ..cli import CONF_DIR  # noqa: E402  (after the schema: dynaresize.cli registers its own first)
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")

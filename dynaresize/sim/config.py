@@ -126,7 +126,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from ..cli import CONF_DIR
+    from .. import CONF_DIR
     register_schema()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()

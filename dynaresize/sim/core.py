@@ -3,9 +3,9 @@
 Every iteration is bulk-synchronous in the runtime (it ends with a gather on rank 0), so the
 simulation advances one iteration at a time with one clock per rank, as numpy arrays:
 
-    switch (resize.py's plan: commit, release, stage_out, reshard, group_switch, engine_start,
-            weight_load, stage_in; critical ops advance the rank's clock, background ones run
-            beside it and whatever the rank has to wait for at the end is critical)
+    switch    the plan the runtime executes (switchplan.plan), priced op by op: critical ops
+              advance their ranks' clocks, background ones run beside them and whatever a rank
+              has to wait for at the end is critical
     rollout   rollout ranks, prompt groups placed by placement.place_prompts (as the runtime)
     exchange  every rank, after rollout (max_lag 0) or after training (max_lag 1)
     train     train ranks: forward/backward on their micro-batches, then gradient all-reduce,
@@ -32,11 +32,14 @@ import numpy as np
 
 from .. import __version__
 from ..costmodel import CostModel
+from .. import switchplan
 from ..placement import place_prompts
 from ..policy import Decision, IterationStats, make_policy
 from ..prediction import IterationModel, Lengths, Prediction
+from ..roles import RoleTable
 from ..shapes import BatchShape, batch_shape
 from ..timeline import schema
+from ..timeline.reader import TIMELINE_FILE
 from ..timeline.writer import TimelineWriter
 from .config import SimSetup
 from .oracle import OraclePolicy
@@ -132,6 +135,9 @@ class Simulator:
         # a rank that left rollout keeps its released engine (resize.switch: parked) for its return
         self.parked = np.zeros(self.W, dtype=bool)
         self.release_mode = cfg.rollout.release
+        # the node of each rank, as the runtime sees hostnames (staging transport)
+        gpn = self.cm.gpus_per_node
+        self.hosts = [f"node{r // gpn if gpn > 0 else 0}" for r in range(self.W)]
         self.events = EventBuffer()
         self.rows: dict[str, list] = {"iterations": [], "decisions": [], "samples": []}
 
@@ -186,15 +192,15 @@ class Simulator:
     # --- one iteration -----------------------------------------------------------------------
     def run(self) -> str:
         os.makedirs(self.out_dir, exist_ok=True)
-        path = os.path.join(self.out_dir, "timeline.h5")
+        path = os.path.join(self.out_dir, TIMELINE_FILE)
         if os.path.exists(path):
             refuse_to_overwrite(path)
             os.remove(path)
         cm = self.cm
         meta = {"mode": "simulate", "world_size": self.W, "mpi_world_size": 0, "backend": "none",
                 "device": "simulated", "config": self.setup.config_yaml(), "policy": self.cfg.policy.name,
-                "max_lag": self.lag, "parameters": cm.numel, "hardware": cm.profile.name,
-                "model": cm.model.name, "hostnames": json.dumps([]), "dynaresize_version": __version__,
+                "max_lag": self.lag, "parameters": cm.numel, "priced_parameters": cm.numel,
+                "hardware": cm.profile.name, "model": cm.model.name, "hostnames": json.dumps(self.hosts), "dynaresize_version": __version__,
                 "samples_recorded": self.record_samples}
         wall0 = time.perf_counter()
         writer = TimelineWriter(path, meta)
@@ -338,69 +344,45 @@ class Simulator:
             critical[r] += end[late] - split[late]
             t[r] = np.maximum(t[r], end[late])
 
-    # --- the switch (resize.switch) -----------------------------------------------------------
+    # --- the switch: the runtime's plan (switchplan.plan), priced ---------------------------------
     def switch(self, it, t, k2, critical, background, pending) -> None:
-        cm, W, k = self.cm, self.W, self.k
-        K = max(k, k2)
-        transport = self.cfg.staging.transport
-        network = transport == "network" or (transport == "auto" and cm.multi_node(K))
-        self.k, self.version = k2, self.version + 1
+        cm = self.cm
+        old = RoleTable.split(self.W, self.k, self.version)
+        sp = switchplan.plan(old, old.with_split(k2), parked=frozenset(np.flatnonzero(self.parked).tolist()),
+                             transport=switchplan.transport(self.cfg.staging.transport, self.hosts, max(self.k, k2)),
+                             numel=cm.numel, release_mode=self.release_mode,
+                             staging_critical=self.cfg.staging.critical)
+        k = self.k
+        self.k, self.version = k2, sp.new.version
         roles = self.roles()                          # ops are recorded with the new table's roles
-        everyone = np.arange(W)
-        self.op(it, t, roles, everyone, "commit", cm.switch_op_time("commit", ranks=W) * self._noise(),
-                critical, collective=True)
-        if k2 > k:                                     # joining training: the engine goes first (parked)
-            joining = np.arange(k, k2)
-            self.op(it, t, roles, joining, "release",
-                    cm.switch_op_time("release", release_mode=self.release_mode) * self._noise(len(joining)),
-                    critical, attrs={"mode": self.release_mode})
-            self.parked[joining] = True
-        numel = cm.numel
-        old_shard = cm.shard_bytes(k)
         stage_out_end = np.zeros(k)
-        if network:
-            block = np.arange(K)
-            nbytes = np.where(block < k, old_shard, 0)
-            self.op(it, t, roles, block, "reshard",
-                    cm.switch_op_time("reshard", nbytes=3 * 4 * numel, ranks=K, broadcasts=k) * self._noise(),
-                    critical, nbytes=nbytes, collective=True)
-        else:
-            staying = np.arange(min(k, k2))
-            dur = cm.switch_op_time("stage_out", nbytes=old_shard) * self._noise(len(staying))
-            stage_out_end[staying] = t[staying] + dur
-            background.append((staying, "stage_out", t[staying].copy(), t[staying] + dur, old_shard))
-            if k2 < k:                                 # leaving: spill now, its memory is the engine's
-                leaving = np.arange(k2, k)
-                self.op(it, t, roles, leaving, "stage_out",
-                        cm.switch_op_time("stage_out", nbytes=old_shard) * self._noise(len(leaving)),
-                        critical, nbytes=old_shard)
-                stage_out_end[leaving] = t[leaving]
-        self.op(it, t, roles, everyone, "group_switch", cm.switch_op_time("group_switch") * self._noise(W), critical)
-        if k2 < k:                                     # joining rollout: its parked engine or a new one
-            leaving = np.arange(k2, k)
-            restored = self.parked[leaving]
-            cost = np.where(restored, cm.switch_op_time("engine_start", restore=True, release_mode=self.release_mode),
-                            cm.switch_op_time("engine_start"))
-            self.op(it, t, roles, leaving, "engine_start", cost * self._noise(len(leaving)), critical,
-                    attrs=[{"restored": bool(x)} for x in restored])
-            self.parked[leaving] = False
-            self.op(it, t, roles, leaving, "weight_load",
-                    cm.switch_op_time("weight_load", nbytes=cm.weight_bytes) * self._noise(len(leaving)),
-                    critical, nbytes=cm.weight_bytes)
-        if k2 > k:                                     # the new train set gets train rank 0's weights
-            new_train = np.arange(k2)
-            self.op(it, t, roles, new_train, "weight_load",
-                    cm.switch_op_time("weight_load", nbytes=cm.weight_bytes, ranks=k2) * self._noise(),
-                    critical, nbytes=cm.weight_bytes, collective=True)
-        if not network:                                # new owners read their ranges (background)
-            size_old, size_new = -(-numel // k), -(-numel // k2)
-            new_shard = cm.shard_bytes(k2)
-            read = cm.switch_op_time("stage_in", nbytes=new_shard) * self._noise(k2)
-            for r in range(k2):
-                lo, hi = min(r * size_new, numel), min((r + 1) * size_new, numel)
-                q_lo, q_hi = lo // size_old, max(hi - 1, lo) // size_old
-                ready = stage_out_end[q_lo:min(q_hi, k - 1) + 1].max() if hi > lo else t[r]
-                pending[r] = (float(t[r]), float(max(t[r], ready) + read[r]), new_shard)
+        for op in sp.ops:
+            ranks = np.array(op.ranks)
+            if op.restored:                           # engine_start: a wake-up or a cold start per rank
+                base = np.array([cm.switch_op_time(op.name, **op.price_for(r)) for r in op.ranks])
+            else:
+                base = cm.switch_op_time(op.name, **op.price)
+            if op.name == "stage_in" and not op.critical:     # waited for at the optimizer step
+                read = base * self._noise(len(ranks))
+                for i, r in enumerate(op.ranks):
+                    src = switchplan.sources(cm.numel, k, k2, r)
+                    ready = stage_out_end[src.start:src.stop].max() if len(src) else t[r]
+                    pending[r] = (float(t[r]), float(max(t[r], ready) + read[i]), op.nbytes[i])
+                continue
+            dur = base * (self._noise() if op.collective else self._noise(len(ranks)))
+            nbytes = np.array(op.nbytes) if op.nbytes else 0
+            if not op.critical:                       # stage_out of ranks staying in training
+                stage_out_end[ranks] = t[ranks] + dur
+                background.append((ranks, op.name, t[ranks].copy(), t[ranks] + dur, op.nbytes[0]))
+                continue
+            attrs = ({"mode": self.release_mode} if op.name == "release" else
+                     [{"restored": bool(x)} for x in op.restored] if op.restored else None)
+            self.op(it, t, roles, ranks, op.name, dur, critical, nbytes=nbytes, collective=op.collective,
+                    attrs=attrs)
+            if op.name == "stage_out":
+                stage_out_end[ranks] = t[ranks]
+        self.parked[:] = False
+        self.parked[list(sp.parked_after)] = True
 
     # --- training (Job.train: trainer.train_step, colocated release/restore) -------------------
     def train(self, it, t, roles, b, critical, pending) -> float:
@@ -441,13 +423,12 @@ class Simulator:
 
 def refuse_to_overwrite(path: str) -> None:
     """A simulation replaces only a simulated timeline, never a real or emulated run's."""
-    import h5py
+    from ..timeline.reader import open_read, plain
     try:
-        with h5py.File(path, "r", swmr=True) as f:
-            mode = f.attrs.get("mode", "")
+        with open_read(path, swmr=True) as f:
+            mode = str(plain(f.attrs.get("mode", "")))
     except OSError:
         return                                   # not a readable HDF5 file: nothing to protect
-    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
     if mode and mode != "simulate":
         raise FileExistsError(f"{path} is the timeline of a {mode} run; the simulator will not overwrite "
                               f"it. Give another output folder (out_dir / hydra.run.dir).")
@@ -481,15 +462,13 @@ def simulate(cfg, out_dir: str | os.PathLike | None = None, hardware=None, optio
 
 def summary_line(path: str) -> str:
     """One line about a simulated run, read back from its timeline (h5py only)."""
-    import h5py
-    with h5py.File(path, "r") as f:
-        its = f["iterations"][...]
-        ev = f["events"][...]
-        tokens = int(ev["tokens"][ev["name"] == b"rollout"].astype(np.int64).sum())
-        decisions = f["decisions"][...]
-        moves = int((decisions["action"] == b"move").sum())
-        wall = float(f.attrs.get("sim_wall_s", math.nan))
-        span = float(its["end"].max() - its["start"].min()) if len(its) else math.nan
-        return (f"{f.attrs['policy']}: {int(f.attrs['world_size'])} ranks, {len(its)} iterations, "
-                f"simulated {span:,.1f} s, {tokens / span if span > 0 else math.nan:,.0f} tok/s, "
-                f"{moves} resizes, wall {wall:.2f} s")
+    from ..timeline.reader import read_arrays
+    attrs, data = read_arrays(path, ("iterations", "events", "decisions"))
+    its, ev = data["iterations"], data["events"]
+    tokens = int(ev["tokens"][ev["name"] == b"rollout"].astype(np.int64).sum())
+    moves = int((data["decisions"]["action"] == b"move").sum())
+    wall = float(attrs.get("sim_wall_s", math.nan))
+    span = float(its["end"].max() - its["start"].min()) if len(its) else math.nan
+    return (f"{attrs['policy']}: {int(attrs['world_size'])} ranks, {len(its)} iterations, "
+            f"simulated {span:,.1f} s, {tokens / span if span > 0 else math.nan:,.0f} tok/s, "
+            f"{moves} resizes, wall {wall:.2f} s")

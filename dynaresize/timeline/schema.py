@@ -134,17 +134,6 @@ def rows(dtype: np.dtype, records: list[dict]) -> np.ndarray:
     return out
 
 
-def open_read(path, swmr: bool = False, **kwargs) -> h5py.File:
-    """Open a timeline read-only: a file that a running job holds open for writing (SWMR), or that
-    a killed writer left marked as open, is opened in SWMR read mode."""
-    try:
-        return h5py.File(path, "r", libver="latest", swmr=swmr, **kwargs)
-    except OSError as e:
-        if swmr or "already open for write" not in str(e):
-            raise
-        return h5py.File(path, "r", libver="latest", swmr=True, **kwargs)
-
-
 def check_file(f) -> None:
     """Raise TimelineError unless the open h5py file is a timeline of this schema version."""
     kind = f.attrs.get("kind")

@@ -39,7 +39,8 @@ import threading
 import h5py
 import numpy as np
 
-from .schema import DATASETS, KIND, SCHEMA_VERSION, TimelineError, check_file, open_read, rows
+from .reader import open_read
+from .schema import DATASETS, KIND, SCHEMA_VERSION, TimelineError, check_file, rows
 
 CHUNK_ROWS = 1024
 LAST = "iterations"                           # written last in each flush (see the module docstring)

@@ -1,0 +1,144 @@
+"""The switch plan: the operations that move a job from one role table to the next.
+
+Pure (no torch, no MPI): the runtime executes the plan (resize.py), the simulator prices it with
+the cost model (sim/core.py), and `dynaresize-analyze plan RUN ITERATION` prints it, so the three
+can never disagree on what a resize does.
+
+Moving from k to k' train ranks (train ranks are the block [0, k), so old and new train sets are
+both prefixes of the ranks), in this order:
+
+  every rank              commit (all acknowledge v'), group_switch (registry lookup)
+  rank joining training   release engine (parked for its return) ----> weight_load (broadcast)
+  old owners staying      stage_out ......... (background: overlaps the next stage)
+  rank leaving training   stage_out (its memory goes to the engine) -> engine_start -> weight_load
+  new owners              stage_in of their new range .... (background until the optimizer step)
+
+Across nodes (`staging.transport`: network, or auto when the train block [0, max(k, k')) spans
+nodes) a collective reshard over the data plane replaces stage_out and stage_in. Only what the next
+stage needs in order to start is critical; optimizer state is needed at the optimizer step, after
+the forward and backward passes, so staging overlaps them (staging.critical=true, a benchmark
+baseline, puts it on the critical path). The commit comes first: every rank acknowledges the new
+table version before any rank acts on it; the groups come next because a reshard uses them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .roles import RoleTable
+
+STATE_BYTES_PER_PARAM = 3 * 4       # float32 master weights, exp_avg, exp_avg_sq
+WEIGHT_BYTES_PER_PARAM = 4          # the float32 flat vector a weight load moves
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a switch, run by `ranks` (in this order within the plan)."""
+    name: str                        # one of timeline.schema.SWITCH_OPS
+    ranks: tuple[int, ...]
+    critical: bool                   # False: in the background, waited for where its result is needed
+    nbytes: tuple[int, ...] = ()     # bytes each rank moves (priced sizes), one per rank; () none
+    collective: bool = False         # the ranks run it together: it ends when the last one can
+    price: dict = field(default_factory=dict)   # CostModel.switch_op_time arguments
+    restored: tuple[bool, ...] = ()  # engine_start: per rank, whether its parked engine comes back
+
+    def price_for(self, rank: int) -> dict:
+        """The switch_op_time arguments of this op on `rank` (engine_start: restore or cold)."""
+        if self.restored:
+            return {**self.price, "restore": self.restored[self.ranks.index(rank)]}
+        return self.price
+
+    def bytes_for(self, rank: int) -> int:
+        return self.nbytes[self.ranks.index(rank)] if self.nbytes else 0
+
+
+@dataclass(frozen=True)
+class SwitchPlan:
+    old: RoleTable
+    new: RoleTable
+    transport: str                   # file (node-local staging) or network (reshard)
+    ops: tuple[Op, ...]
+    parked_after: frozenset[int]     # ranks holding a released engine after the switch
+
+    def for_rank(self, rank: int) -> list[Op]:
+        return [op for op in self.ops if rank in op.ranks]
+
+
+def transport(setting: str, hosts: Sequence[str], block: int) -> str:
+    """file when the ranks that exchange training state ([0, block)) share a node (and its
+    scratch), network otherwise; `setting` (staging.transport) other than auto wins."""
+    if setting != "auto":
+        return setting
+    return "file" if len(set(hosts[:block])) == 1 else "network"
+
+
+def shard_bytes(numel: int, shards: int) -> int:
+    """Bytes of one rank's staged optimizer range when `numel` parameters are cut in `shards`."""
+    return STATE_BYTES_PER_PARAM * math.ceil(numel / max(shards, 1))
+
+
+def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: str, numel: int,
+         release_mode: str, staging_critical: bool = False) -> SwitchPlan:
+    """The operations that move `old` to `new` (see the module docstring). `parked`: ranks that
+    hold a released engine (they left rollout earlier); `numel`: parameters of the priced model."""
+    world, k, k2 = old.world, old.num_train, new.num_train
+    K = max(k, k2)
+    everyone = tuple(range(world))
+    joining, leaving = tuple(range(k, k2)), tuple(range(k2, k))
+    staying = tuple(range(min(k, k2)))
+    weights = WEIGHT_BYTES_PER_PARAM * numel
+    ops = [Op("commit", everyone, True, collective=True, price={"ranks": world}),
+           Op("group_switch", everyone, True)]
+    if joining:
+        ops.append(Op("release", joining, True, price={"release_mode": release_mode}))
+    if transport == "network":
+        block = tuple(range(K))
+        ops.append(Op("reshard", block, True, tuple(shard_bytes(numel, k) if r < k else 0 for r in block),
+                      collective=True, price={"nbytes": STATE_BYTES_PER_PARAM * numel, "ranks": K, "broadcasts": k}))
+    else:
+        out = shard_bytes(numel, k)
+        if staying:
+            ops.append(Op("stage_out", staying, staging_critical, (out,) * len(staying), price={"nbytes": out}))
+        if leaving:                      # leaving: spill now, its memory is the engine's
+            ops.append(Op("stage_out", leaving, True, (out,) * len(leaving), price={"nbytes": out}))
+    if leaving:                          # joining rollout: its parked engine or a new one, then its weights
+        ops.append(Op("engine_start", leaving, True, price={"release_mode": release_mode},
+                      restored=tuple(r in parked for r in leaving)))
+        ops.append(Op("weight_load", leaving, True, (weights,) * len(leaving), price={"nbytes": weights}))
+    if joining:                          # the new train set gets train rank 0's weights
+        new_train = tuple(range(k2))
+        ops.append(Op("weight_load", new_train, True, (weights,) * k2, collective=True,
+                      price={"nbytes": weights, "ranks": k2}))
+    if transport != "network":           # new owners read their ranges (background)
+        into = shard_bytes(numel, k2)
+        ops.append(Op("stage_in", tuple(range(k2)), staging_critical, (into,) * k2, price={"nbytes": into}))
+    return SwitchPlan(old, new, transport, tuple(ops), frozenset((set(parked) | set(joining)) - set(leaving)))
+
+
+def sources(numel: int, k: int, k2: int, rank: int) -> range:
+    """The old owners (of k shards) whose ranges overlap `rank`'s new range (of k2): the stage_outs
+    its stage_in waits for."""
+    size_old, size_new = math.ceil(numel / k), math.ceil(numel / k2)
+    lo, hi = min(rank * size_new, numel), min((rank + 1) * size_new, numel)
+    if hi <= lo:
+        return range(0)
+    return range(lo // size_old, min((hi - 1) // size_old, k - 1) + 1)
+
+
+def format_plan(p: SwitchPlan) -> str:
+    """The plan as a table, one line per operation."""
+    lines = [f"switch v{p.old.version} {p.old.describe()} -> v{p.new.version} {p.new.describe()} "
+             f"({p.transport} transport)",
+             f"{'#':>2}  {'operation':<13}{'ranks':<16}{'path':<11}{'bytes per rank':>15}  notes"]
+    for i, op in enumerate(p.ops):
+        ranks = f"{op.ranks[0]}" if len(op.ranks) == 1 else f"{op.ranks[0]}-{op.ranks[-1]} ({len(op.ranks)})"
+        size = f"{max(op.nbytes):,}" if op.nbytes else "-"
+        notes = []
+        if op.collective:
+            notes.append("collective")
+        if op.restored:
+            notes.append(f"{sum(op.restored)} restored, {len(op.restored) - sum(op.restored)} cold")
+        lines.append(f"{i:>2}  {op.name:<13}{ranks:<16}{'critical' if op.critical else 'background':<11}"
+                     f"{size:>15}  {', '.join(notes)}")
+    return "\n".join(lines)

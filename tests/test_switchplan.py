@@ -1,0 +1,76 @@
+"""The switch plan on its own (pure): which operations, ranks, paths and bytes a resize takes. That
+the runtime and the simulator follow it op by op: tests/test_resize.py."""
+from __future__ import annotations
+
+import pytest
+
+from dynaresize import switchplan
+from dynaresize.roles import RoleTable
+
+NUMEL = 1000
+
+
+def ops(p) -> list[tuple]:
+    return [(op.name, op.ranks, op.critical) for op in p.ops]
+
+
+def test_growing_training_on_one_node_stages_through_files():
+    old = RoleTable.split(8, 2, version=3)
+    p = switchplan.plan(old, old.with_split(5), parked=frozenset(), transport="file", numel=NUMEL,
+                        release_mode="sleep")
+    assert ops(p) == [("commit", tuple(range(8)), True), ("group_switch", tuple(range(8)), True),
+                      ("release", (2, 3, 4), True),
+                      ("stage_out", (0, 1), False),                      # staying owners: background
+                      ("weight_load", tuple(range(5)), True),            # broadcast to the new train set
+                      ("stage_in", tuple(range(5)), False)]              # until the optimizer step
+    assert p.new.version == 4 and p.parked_after == {2, 3, 4}
+    stage_out, stage_in = p.ops[3], p.ops[5]
+    assert stage_out.nbytes == (12 * 500,) * 2 and stage_in.nbytes == (12 * 200,) * 5
+    assert p.ops[4].collective and p.ops[4].price == {"nbytes": 4 * NUMEL, "ranks": 5}
+
+
+def test_shrinking_training_across_nodes_reshards_and_wakes_parked_engines():
+    old = RoleTable.split(8, 5, version=4)
+    hosts = ["a"] * 4 + ["b"] * 4
+    assert switchplan.transport("auto", hosts, 5) == "network" and switchplan.transport("auto", hosts, 4) == "file"
+    assert switchplan.transport("file", hosts, 5) == "file"                # a setting other than auto wins
+    p = switchplan.plan(old, old.with_split(1), parked=frozenset({2, 3, 4}), transport="network", numel=NUMEL,
+                        release_mode="sleep")
+    assert ops(p) == [("commit", tuple(range(8)), True), ("group_switch", tuple(range(8)), True),
+                      ("reshard", (0, 1, 2, 3, 4), True), ("engine_start", (1, 2, 3, 4), True),
+                      ("weight_load", (1, 2, 3, 4), True)]
+    engine_start = p.ops[3]
+    assert engine_start.restored == (False, True, True, True)               # rank 1 never generated
+    assert engine_start.price_for(1)["restore"] is False and engine_start.price_for(4)["restore"] is True
+    assert p.ops[2].nbytes == (12 * 200,) * 5                               # every old owner sends its range
+    assert p.parked_after == frozenset()
+
+
+def test_leaving_ranks_spill_on_the_critical_path_and_critical_staging_is_a_baseline():
+    old = RoleTable.split(4, 3)
+    p = switchplan.plan(old, old.with_split(1), parked=frozenset(), transport="file", numel=NUMEL,
+                        release_mode="teardown")
+    assert [(op.name, op.ranks, op.critical) for op in p.ops if op.name.startswith("stage")] == [
+        ("stage_out", (0,), False), ("stage_out", (1, 2), True), ("stage_in", (0,), False)]
+    baseline = switchplan.plan(old, old.with_split(1), parked=frozenset(), transport="file", numel=NUMEL,
+                               release_mode="teardown", staging_critical=True)
+    assert all(op.critical for op in baseline.ops)
+
+
+@pytest.mark.parametrize("k, k2", [(2, 5), (5, 2), (3, 7), (7, 3), (1, 1)])
+def test_stage_in_waits_for_exactly_the_old_owners_of_its_range(k, k2):
+    numel = 1001
+    size_old, size_new = -(-numel // k), -(-numel // k2)
+    for rank in range(k2):
+        lo, hi = rank * size_new, min((rank + 1) * size_new, numel)
+        owners = {q for q in range(k) if q * size_old < hi and min((q + 1) * size_old, numel) > lo}
+        assert set(switchplan.sources(numel, k, k2, rank)) == owners
+
+
+def test_format_plan_names_every_operation():
+    old = RoleTable.split(4, 1)
+    text = switchplan.format_plan(switchplan.plan(old, old.with_split(3), parked=frozenset(), transport="file",
+                                                  numel=NUMEL, release_mode="sleep"))
+    assert "1T/3R -> v1 3T/1R (file transport)" in text
+    for name in ("commit", "group_switch", "release", "stage_out", "weight_load", "stage_in"):
+        assert name in text
