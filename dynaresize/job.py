@@ -33,7 +33,6 @@ from .staging import RUN_ID_ENV, job_staging_dir, make_private_dir, new_run_id, 
 from .launch.failure import status_path, write_status
 from .timeline.reader import TIMELINE_FILE
 from .timeline.recorder import Recorder
-from .timeline.schema import CRITICAL, SWITCH_OPS
 from .timeline.writer import TimelineWriter
 from .trainer import ShardedTrainer
 from .types import Sample
@@ -84,6 +83,8 @@ class Job:
                               else RoleTable.split(self.world, self.policy.initial_train_ranks()))
             self.registry.ensure(self.table.num_train)
             self.layout = FlatLayout.of(model_skeleton(self.model_dir))
+            # the model a switch plan prices: the profile's when emulating, else this one
+            self.priced_numel = self.cost.numel if self.cost else self.layout.numel
             weights = checkpoint.load_flat_params(resume, self.layout.numel) if resume else None
             self.engine = self.trainer = None
             self.parked_engine = None         # a released engine kept for the rank's return to rollout
@@ -104,9 +105,9 @@ class Job:
         self.writer = self._open_timeline(resume) if self.rank == 0 else None
         self.metrics = None
         if self.rank == 0:     # imported (pandas) now, not inside a timed iteration
-            from analysis.metrics import iteration_bubble
+            import analysis.metrics  # noqa: F401
             from .metrics_logger import MetricsLogger, iteration_metrics
-            self.iteration_bubble, self.iteration_metrics = iteration_bubble, iteration_metrics
+            self.iteration_metrics = iteration_metrics
             self.metrics = MetricsLogger(cfg.logger, self.run_dir, config=json.loads(json.dumps(
                 dataclasses.asdict(cfg), default=str)), run_name=os.path.basename(self.run_dir))
         ctrl.barrier()                    # iteration 0 starts together, after everyone's start-up
@@ -146,8 +147,7 @@ class Job:
                 "backend": self.backend, "device": self.device, "config": to_yaml(self.cfg),
                 "policy": self.cfg.policy.name, "max_lag": self.cfg.run.max_lag,
                 "hostnames": json.dumps(self.ctrl.hostnames), "parameters": self.layout.numel,
-                # the model the switch plan prices: the profile's when emulating (switchplan)
-                "priced_parameters": self.cost.numel if self.cost else self.layout.numel,
+                "priced_parameters": self.priced_numel,
                 "dynaresize_version": __version__}
         path = os.path.join(self.run_dir, TIMELINE_FILE)
         if resume is not None and os.path.exists(path):
@@ -282,14 +282,15 @@ class Job:
             requested = any(r[3] for r in reports)
             events = [e for r in reports for e in r[2]]
             start, end = min(r[0] for r in reports), max(r[1] for r in reports)
-            stats = self._iteration_stats(it, events, generated, trained)
-            decision = self.policy.decide(stats)
+            # One set of numbers for the policy, the progress line and the user's metrics backends.
+            metrics = self.iteration_metrics(events, self._new_samples, start, end,
+                                             {r: self.table.role_of(r).value for r in range(self.world)},
+                                             self.table.num_train, self.table.num_rollout)
+            decision = self.policy.decide(self._iteration_stats(it, metrics, generated, trained))
             self._write_timeline(it, events, start, end, generated, trained, decision)
-            self.metrics.log(it, self.iteration_metrics(
-                events, self._new_samples, start, end, {r: self.table.role_of(r).value for r in range(self.world)},
-                self.table.num_train, self.table.num_rollout))
+            self.metrics.log(it, metrics)
             if "console" in self.cfg.logger:
-                self._print_progress(it, events, start, end)
+                self._print_progress(it, metrics)
         self._new_samples = []
         decision, self.checkpoint_requested = self.ctrl.bcast((decision, requested))
         self._remove_staged_files()       # rank 0 broadcast only after every rank settled its reads
@@ -362,13 +363,9 @@ class Job:
             print(f"[dynaresize] {line}", flush=True)
 
     # --- rank 0 bookkeeping -------------------------------------------------------------------
-    def _iteration_stats(self, it, events, generated, trained) -> IterationStats:
-        critical: dict[int, float] = {}
-        for e in events:
-            if e["name"] in SWITCH_OPS and e["critical"] == CRITICAL:
-                critical[e["rank"]] = critical.get(e["rank"], 0.0) + e["end"] - e["start"]
-        return IterationStats(it, self.table.num_train, self.world, duration_max(events, "rollout"),
-                              duration_max(events, "train"), switch_time=max(critical.values(), default=0.0),
+    def _iteration_stats(self, it, metrics: dict, generated, trained) -> IterationStats:
+        return IterationStats(it, self.table.num_train, self.world, metrics["time/rollout"], metrics["time/train"],
+                              switch_time=metrics["time/switch_critical"],
                               generated_batch=-1 if generated is None else generated,
                               trained_batch=-1 if trained is None else trained,
                               lengths=batch_lengths(self._new_samples, self.cfg.rollout) if self._new_samples else None)
@@ -388,25 +385,13 @@ class Job:
         w.append("decisions", [decision.row(self.table.version + int(decision.moves))])
         w.flush()
 
-    def _print_progress(self, it, events, start, end) -> None:
-        span = max(end - start, 1e-9)
-        tokens = sum(e["tokens"] for e in events if e["name"] == "rollout")
-        rewards = [s.reward for s in self._new_samples]
+    def _print_progress(self, it, m: dict) -> None:
         total = self.cfg.run.iterations + self.cfg.run.max_lag
         print(f"[dynaresize] iter {it + 1:>3}/{total}  split {self.table.describe():>7}  "
-              f"rollout {duration_max(events, 'rollout'):6.2f}s  train {duration_max(events, 'train'):6.2f}s  "
-              f"sync {duration_max(events, 'weight_sync'):5.2f}s  bubble {self.iteration_bubble(events, start, end, self.world):4.0%}  "
-              f"reward {np.mean(rewards) if rewards else float('nan'):.3f}  {tokens / span:7.0f} tok/s",
+              f"rollout {m['time/rollout']:6.2f}s  train {m['time/train']:6.2f}s  "
+              f"sync {m['time/weight_sync']:5.2f}s  bubble {m['bubble/all']:4.0%}  "
+              f"reward {m.get('reward/mean', float('nan')):.3f}  {m['throughput/tokens_per_s']:7.0f} tok/s",
               flush=True)
-
-
-def duration_max(events: list[dict], name: str) -> float:
-    """The slowest rank's total time in stage `name`."""
-    per_rank: dict[int, float] = {}
-    for e in events:
-        if e["name"] == name:
-            per_rank[e["rank"]] = per_rank.get(e["rank"], 0.0) + e["end"] - e["start"]
-    return max(per_rank.values(), default=0.0)
 
 
 def batch_lengths(samples: list[Sample], rollout) -> Lengths:

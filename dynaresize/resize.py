@@ -148,7 +148,7 @@ def switch(job, it: int, decision: Decision) -> None:
     sp = switchplan.plan(old, new, parked=job.parked_ranks,
                          transport=switchplan.transport(job.cfg.staging.transport, job.ctrl.hostnames,
                                                         max(old.num_train, new.num_train)),
-                         numel=job.cost.numel if job.cost else job.layout.numel,   # emulation prices the profile's model
+                         numel=job.priced_numel,
                          release_mode=job.cfg.rollout.release, staging_critical=job.cfg.staging.critical)
     run = SwitchRun(job, OpTimer(job, it, old, new), sp)
     for op in sp.for_rank(job.rank):
