@@ -17,6 +17,7 @@ works headless.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -113,9 +114,9 @@ def gantt(tl: Timeline, path: str | os.PathLike | None = None, *, width: float =
 
     ax.set_xlim(t0, t1)
     ax.set_ylim(n_rows - 0.5, -0.5)
-    _rank_ticks(ax, tl.ranks, block, n_rows)
+    _rank_ticks(ax, tl.ranks, block, n_rows, _hosts(tl))
     ax.set_xlabel("time since job start [s]")
-    ax.set_ylabel("rank" if block == 1 else f"ranks (blocks of {block})")
+    ax.set_ylabel(("rank and host" if _hosts(tl) else "rank") if block == 1 else f"ranks (blocks of {block})")
     if title is None:
         title = (f"{tl.name}: policy {tl.policy}, {n_ranks} ranks, {len(spans(tl))} iterations"
                  + (f" (rows: blocks of {block} ranks, dominant state per pixel column)"
@@ -265,11 +266,21 @@ def _draw_iterations(ax, tl: Timeline, n_rows: int) -> None:
                    fontsize=8)
 
 
-def _rank_ticks(ax, ranks: np.ndarray, block: int, n_rows: int) -> None:
+def _hosts(tl: Timeline) -> list[str]:
+    """Each rank's host, when the job spans more than one (else empty: no host labels)."""
+    try:
+        hosts = json.loads(tl.attrs.get("hostnames") or "[]")
+    except (TypeError, ValueError):
+        return []
+    return hosts if len(set(hosts)) > 1 else []
+
+
+def _rank_ticks(ax, ranks: np.ndarray, block: int, n_rows: int, hosts: list[str]) -> None:
     step = max(1, math.ceil(n_rows / 32))
     rows = np.arange(0, n_rows, step)
     if block == 1:
-        labels = [str(int(ranks[r])) for r in rows]
+        labels = [f"{int(ranks[r])} {hosts[int(ranks[r])]}" if int(ranks[r]) < len(hosts) else str(int(ranks[r]))
+                  for r in rows]
     else:
         labels = [f"{int(ranks[r * block])}-{int(ranks[min(len(ranks), (r + 1) * block) - 1])}"
                   for r in rows]

@@ -1,8 +1,7 @@
 """Checkpoints for preemption and requeue, and exact resume.
 
 A checkpoint is taken at an iteration boundary, every `run.checkpoint_every` iterations and when
-Slurm warns that the job will end (SIGUSR2 `cluster.signal_delay_s` before the time limit or a
-preemption). It holds everything the next iteration depends on:
+Slurm warns that the job will end (preemption.py). It holds everything the next iteration depends on:
 - each train rank's optimizer shard (float32 master weights and AdamW moments, with the step
   count), in the staging format (HDF5, per-chunk CRC32): the full weights are their concatenation;
 - rank 0's state, as data (state.json, no pickles): the last completed iteration, the role table,
@@ -21,8 +20,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
-import subprocess
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,18 +56,6 @@ class ResumeState:
     config: str                    # its configuration (YAML)
 
 
-class PreemptionWatch:
-    """Turns Slurm's warning signal into a request to checkpoint at the next iteration boundary."""
-
-    def __init__(self):
-        self.requested = False
-        if os.environ.get("SLURM_JOB_ID"):
-            signal.signal(signal.SIGUSR2, self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        self.requested = True
-
-
 def latest(run_dir: str) -> str | None:
     root = os.path.join(run_dir, CHECKPOINTS)
     if not os.path.isdir(root):
@@ -79,11 +64,12 @@ def latest(run_dir: str) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
-def checkpoint_if_due(job, it: int, ready: list, decision, requested: bool) -> bool:
-    """Write a checkpoint after iteration `it` if one is due; True if written."""
+def checkpoint_if_due(job, it: int, ready: list, decision, warned: bool) -> str | None:
+    """Write a checkpoint after iteration `it` if one is due (or Slurm `warned` of the job's end);
+    its directory if written."""
     every = job.cfg.run.checkpoint_every
-    if not (requested or (every > 0 and (it + 1) % every == 0)):
-        return False
+    if not (warned or (every > 0 and (it + 1) % every == 0)):
+        return None
     job.settle_background()
     job.set_status(f"checkpoint (after iteration {it}, writing {CHECKPOINTS}/iter-{it:06d})")
     root = os.path.join(job.run_dir, CHECKPOINTS)
@@ -121,7 +107,7 @@ def checkpoint_if_due(job, it: int, ready: list, decision, requested: bool) -> b
                 if old.startswith("iter-") and old < os.path.basename(final):
                     shutil.rmtree(os.path.join(root, old), ignore_errors=True)
         job.ctrl.barrier()
-    return True
+    return final
 
 
 def find_resume(run_dir: str) -> ResumeState | None:
@@ -199,11 +185,3 @@ def load_shard(resume: ResumeState, numel: int, index: int):
     k = table.num_train
     lo, hi = shard_range(numel, k, index)
     return read_shard(resume.path, table.version, k, numel, lo, hi, shard_range, resume.run_id)
-
-
-def requeue_slurm_job() -> None:
-    """Put this Slurm job back in the queue; it resumes from the checkpoint just written."""
-    job_id = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ["SLURM_JOB_ID"]
-    if os.environ.get("SLURM_ARRAY_TASK_ID"):
-        job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)

@@ -330,6 +330,8 @@ def validate(cfg: JobConfig) -> None:
              f"is {c.ranks} but nodes x gpus_per_node is {c.nodes * c.gpus_per_node}",
              "leave cluster.ranks to the slurm preset (it is nodes * gpus_per_node)")
         need(c.time_min >= 1, "cluster.time_min", f"is {c.time_min}", "give the job at least 1 minute")
+        need(c.max_requeues >= 0, "cluster.max_requeues", f"is {c.max_requeues}",
+             "use 0 (never requeue after Slurm's warning: checkpoint and stop) or more")
     need(c.ranks >= 2, "cluster.ranks", f"is {c.ranks}; rollout and training need at least one rank each",
          "use cluster.ranks=2 or more")
     if c.local_scratch is not None:

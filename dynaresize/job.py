@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import __version__, checkpoint
+from . import __version__, checkpoint, preemption
 from .comm import ControlPlane
 from .config import JobConfig, to_yaml
 from .flat import FlatLayout
@@ -65,8 +65,8 @@ class Job:
         self.background_ops: list = []
         colocated = cfg.policy.name == "colocated"
 
-        self.preemption = checkpoint.PreemptionWatch()
-        self.checkpoint_requested = False
+        self.end_warned = False          # Slurm warned of the job's end, agreed by all ranks
+        self.last_checkpoint: str | None = None
         resume = ctrl.bcast(checkpoint.find_resume(self.run_dir) if self.rank == 0 else None)
 
         self.set_status("startup")
@@ -275,11 +275,11 @@ class Job:
         """Gather events to rank 0, write the timeline, decide the next split, broadcast it."""
         self.settle_background()
         self.set_status(f"end_iteration (iteration {it}: gathering events, deciding the next split)")
-        report = (self._t_begin, self.ctrl.now(), self.rec.take(), self.preemption.requested)
+        report = (self._t_begin, self.ctrl.now(), self.rec.take(), preemption.warned())
         reports = self.ctrl.gather(report)
-        decision, requested = None, False
+        decision, warned = None, False
         if self.rank == 0:
-            requested = any(r[3] for r in reports)
+            warned = any(r[3] for r in reports)
             events = [e for r in reports for e in r[2]]
             start, end = min(r[0] for r in reports), max(r[1] for r in reports)
             # One set of numbers for the policy, the progress line and the user's metrics backends.
@@ -292,21 +292,20 @@ class Job:
             if "console" in self.cfg.logger:
                 self._print_progress(it, metrics)
         self._new_samples = []
-        decision, self.checkpoint_requested = self.ctrl.bcast((decision, requested))
+        decision, self.end_warned = self.ctrl.bcast((decision, warned))
         self._remove_staged_files()       # rank 0 broadcast only after every rank settled its reads
         return decision
 
-    def checkpoint_if_due(self, it: int, ready: list[Sample], decision: Decision) -> bool:
-        """Checkpoint if due; True if Slurm is ending the job (it was requeued and resumes later)."""
-        written = checkpoint.checkpoint_if_due(self, it, ready, decision, self.checkpoint_requested)
-        if not (written and self.checkpoint_requested):
-            return False
-        if self.rank == 0:
-            print(f"[dynaresize] Slurm warned of the job's end: checkpointed after iteration {it + 1}; "
-                  f"requeueing", flush=True)
-            checkpoint.requeue_slurm_job()
+    def checkpoint_if_due(self, it: int, ready: list[Sample], decision: Decision) -> None:
+        """Checkpoint if due, or if Slurm warned of the job's end."""
+        self.last_checkpoint = checkpoint.checkpoint_if_due(self, it, ready, decision, self.end_warned)
+
+    def requeue(self) -> None:
+        """After the checkpoint that Slurm's warning asked for: stop here; the job goes back in the
+        queue and resumes from it (or stops at cluster.max_requeues: RequeueLimit on rank 0)."""
         self.suspend()
-        return True
+        if self.rank == 0:
+            preemption.requeue(self.cfg.cluster.max_requeues, self.last_checkpoint)
 
     def suspend(self) -> None:
         """Stop without finishing: the timeline stays incomplete, to be continued on resume (from

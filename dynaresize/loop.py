@@ -37,7 +37,9 @@ def run_job(cfg: JobConfig, ctrl: ControlPlane) -> None:
             job.sync_weights(it)
 
         decision = job.end_iteration(it, generated=generate, trained=train)
-        if job.checkpoint_if_due(it, ready, decision):
-            return                                # Slurm is ending the job; the requeued job resumes
+        job.checkpoint_if_due(it, ready, decision)
+        if job.end_warned:                        # Slurm ends the job soon: checkpointed just above
+            job.requeue()                         # back in the queue; it resumes from the checkpoint
+            return
 
     job.finish()

@@ -10,17 +10,21 @@ import traceback
 
 from omegaconf import OmegaConf
 
+from . import preemption
 from .config import JobConfig, load_config
 
 
 def run_rank(cfg: JobConfig) -> None:
     """Run this process as one rank of the job `cfg` (also the callable submitit ships to Slurm)."""
+    preemption.install()          # first: Slurm's warning is ours from the start, not submitit's
     from .comm import ControlPlane
     from .loop import run_job
 
     ctrl = ControlPlane()
     try:
         run_job(cfg, ctrl)
+    except preemption.RequeueLimit:
+        raise                     # stopped cleanly after a checkpoint, every rank: no abort
     except BaseException as e:  # noqa: BLE001 - any failure must take the job down, not hang it
         print(f"[dynaresize] rank {ctrl.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         traceback.print_exc()
@@ -31,7 +35,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         sys.exit("usage: python -m dynaresize.worker RUN_DIR/config.yaml")
-    run_rank(load_config(OmegaConf.load(argv[0])))
+    try:
+        run_rank(load_config(OmegaConf.load(argv[0])))
+    except preemption.RequeueLimit as e:
+        sys.exit(f"dynaresize: {e}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/pip install -q torch==2.13.0 -e '.[mpi,test]'
 export PATH="$PWD/.venv/bin:$PATH"
 
-# A real single-node Slurm cluster for tests/test_slurm.py (needs root for the daemons).
+# A real two-node Slurm cluster with accounting for tests/test_slurm.py (root: daemons, namespaces).
 slurm_dir=""
 if [ "$(id -u)" -eq 0 ] && [ "${DYNARESIZE_SKIP_SLURM:-0}" != 1 ]; then
     bash slurm/testcluster/install.sh

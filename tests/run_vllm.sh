@@ -2,6 +2,7 @@
 # The vLLM stage: a separate environment (.venv-vllm) with a real vLLM CPU build, and the tests
 # marked vllm (the engine contract suite on vLLM, a 3-rank run with rollout=vllm).
 # Usage: bash tests/run_vllm.sh [pytest args]      (CI runs it after tests/run.sh)
+#        bash tests/run_vllm.sh --install-only     (CI installs the dependencies while tests/run.sh runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "${REQUIREMENTS[*]}" ]; then
     "$VENV/bin/pip" uninstall -q -y "${BROKEN[@]}"
     echo "${REQUIREMENTS[*]}" > "$STAMP"
 fi
+# The project itself last: --install-only runs beside tests/run.sh, which installs it into .venv
+# from the same source tree.
+if [ "${1:-}" = --install-only ]; then exit 0; fi
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import vllm, dynaresize.rollout.vllm_engine; print('vllm', vllm.__version__)"
 

@@ -1,8 +1,10 @@
-"""Issue 4, against a real local Slurm cluster (slurm/testcluster, started by tests/run.sh):
-submitit launch, Hydra multirun on Slurm, the sbatch template, requeue with exact resume, and
-refusal of jobs that cannot fit."""
+"""Against a real local Slurm cluster of two nodes with accounting (slurm/testcluster, started by
+tests/run.sh): a two-node run resharding over the network, Hydra multirun on Slurm, the sbatch
+template, a node failure, warnings and the requeue limit with exact resume, and refusal of jobs
+that cannot fit."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -13,9 +15,10 @@ import time
 import h5py
 import numpy as np
 import pytest
-from safetensors.torch import load_file
 
+import analysis
 from conftest import ROOT, run_cli
+from test_resize import assert_same_rl, timeline
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(not os.environ.get("DYNARESIZE_TESTCLUSTER_DIR") or not shutil.which("sbatch"),
@@ -42,12 +45,43 @@ def newest_checkpoint(run_dir) -> int:
     return max(done, default=-1)
 
 
-def test_submitit_job_runs_4_ranks(tmp_path):
-    proc = run_cli(tmp_path, "cluster=slurm", "run.iterations=2", timeout=300)
-    assert re.search(r"submitted Slurm job \d+", proc.stdout) and "finished" in proc.stdout, proc.stdout
-    attrs, its, ranks, _ = attrs_and_iterations(tmp_path)
-    assert bool(attrs["complete"]) and int(attrs["mpi_world_size"]) == 4
-    assert set(ranks) == {0, 1, 2, 3} and list(its) == [0, 1, 2]
+def sacct_states(job) -> list[str]:
+    """Every attempt of the job, oldest first, as Slurm's accounting (slurmdbd) recorded it."""
+    out = subprocess.run(["sacct", "-j", str(job), "--duplicates", "--allocations", "--noheader", "--parsable2",
+                          "-o", "State"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+TWO_NODES = ["cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=2",
+             # /var/tmp is each test node's own disk: a staged file is not visible from the other node
+             "cluster.local_scratch=/var/tmp"]
+
+
+def test_two_node_resizes_move_training_state_over_the_network_exactly(tmp_path):
+    """4 ranks on 2 nodes, resized so that training state crosses nodes: the network transport
+    reshards it, and the weights equal a one-node static run's bit for bit."""
+    reference = tmp_path / "reference"
+    run_cli(reference, "run.iterations=4")
+    run = tmp_path / "slurm"
+    proc = run_cli(run, *TWO_NODES, "policy=scripted", "policy.schedule=[1,3,2,1]", "run.iterations=4", timeout=300)
+    job = re.search(r"submitted Slurm job (\d+): 2 node\(s\) x 2 rank\(s\)", proc.stdout).group(1)
+    (tl, attrs) = timeline(run)
+    assert json.loads(attrs["hostnames"]) == ["node1", "node1", "node2", "node2"] and bool(attrs["complete"])
+    ev = tl["events"]
+    names = [n.decode() for n in ev["name"]]
+    reshards = [e for e, n in zip(ev, names) if n == "reshard"]
+    # The moves that put training state on node2 or take it from there (1->3 and 3->2 train
+    # ranks) reshard over the network: node2's rank 2 takes part, and state is sent (bytes sent).
+    for it in (1, 2):
+        ops = [e for e in reshards if e["iteration"] == it]
+        assert 2 in {int(e["rank"]) for e in ops} and sum(int(e["bytes"]) for e in ops) > 0, it
+    assert {int(e["iteration"]) for e in reshards} == {1, 2}
+    assert "stage_out" in names             # 2->1 keeps training state on node1: the file transport
+    fig = analysis.gantt(analysis.load_timeline(run), tmp_path / "gantt.png")
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["0 node1", "1 node1", "2 node2", "3 node2"]
+    assert_same_rl(run, reference, exact=True)
+    # The ranks' result is in before the job has ended: wait for Slurm's accounting to close it.
+    wait_for(lambda: sacct_states(job) == ["COMPLETED"], 60, f"sacct to report job {job} COMPLETED")
 
 
 def test_hydra_multirun_on_slurm_makes_one_job_per_point(tmp_path):
@@ -75,46 +109,68 @@ def test_sbatch_template(tmp_path):
     assert bool(attrs["complete"]) and int(attrs["mpi_world_size"]) == 4 and list(its) == [0, 1, 2]
 
 
-def test_requeue_and_time_limit_warning_resume_exactly(tmp_path):
-    """Interrupted twice, by `scontrol requeue` and by Slurm's warning signal (USR2): the job resumes
-    each time and ends with the same weights as an uninterrupted run, each iteration once."""
-    # Iterations long enough (~1 s) that each interruption lands mid-run: a requeued job keeps
-    # running for a few seconds (submitit ignores SIGTERM until Slurm's KillWait has passed).
+@pytest.mark.fault("a node of a 2-node Slurm job set DOWN mid-run; then Slurm's end-of-job warning (USR2), "
+                   "more times than cluster.max_requeues allows",
+                   "the follower names the node, its reason and what its ranks were doing; Slurm requeues the job "
+                   "and it resumes; a warning checkpoints and requeues, the one past the limit checkpoints and "
+                   "stops with the fix; submitted again, it ends with the same weights (bit for bit)")
+def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
+    """A 2-node job loses a node, then is warned of its end (USR2) twice with
+    cluster.max_requeues=2: Slurm requeues it after the node failure (reported with the node and
+    what its ranks were doing), the ranks requeue it after the first warning and stop after the
+    second. Submitted again, it resumes and ends with the same weights as an uninterrupted run,
+    each iteration once. Slurm's accounting has every attempt."""
+    # Iterations long enough (~1 s) that each interruption lands mid-run.
     common = ["run.iterations=24", "policy=scripted", "policy.schedule=[2,2,1,1,3,3,2]",
               "workload.length_median=48"]
     reference = tmp_path / "reference"
     run_cli(reference, *common)
 
     run = tmp_path / "slurm"
-    proc = run_cli(run, *common, "cluster=slurm", "cluster.wait=false", "run.checkpoint_every=1", timeout=120)
-    job = re.search(r"submitted Slurm job (\d+)", proc.stdout).group(1)
+    cmd = [sys.executable, "-m", "dynaresize.cli", f"hydra.run.dir={run}", *common, *TWO_NODES,
+           "run.checkpoint_every=1", "cluster.max_requeues=2"]
+    out = open(tmp_path / "follow.log", "w+")
+    follower = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    wait_for(lambda: re.search(r"submitted Slurm job (\d+)", open(tmp_path / "follow.log").read()), 60, "the job id")
+    job = re.search(r"submitted Slurm job (\d+)", open(tmp_path / "follow.log").read()).group(1)
+
+    def resumed(n):
+        return os.path.exists(run / "timeline.h5") and attrs_and_iterations(run)[0].get("resumed", 0) == n
+
+    def progress_after_resume():
+        first = newest_checkpoint(run)
+        wait_for(lambda: newest_checkpoint(run) > first, 180, "progress after the resume")
 
     wait_for(lambda: newest_checkpoint(run) >= 2, 180, "a checkpoint after iteration 3")
-    subprocess.run(["scontrol", "requeue", job], check=True)
-    wait_for(lambda: os.path.exists(run / "timeline.h5") and attrs_and_iterations(run)[0].get("resumed") == 1,
-             180, "the requeued job to resume")
-    first_resume = newest_checkpoint(run)
-    wait_for(lambda: newest_checkpoint(run) > first_resume, 180, "progress after the resume")
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)      # what Slurm sends before the limit
-    wait_for(lambda: attrs_and_iterations(run)[0].get("resumed") == 2, 180, "the second resume")
-    wait_for(lambda: os.path.exists(run / "final_model" / "model.safetensors")
-             and bool(attrs_and_iterations(run)[0]["complete"]), 240, "the job to finish")
+    subprocess.run(["scontrol", "update", "nodename=node2", "state=down", "reason=test: node lost"], check=True)
+    # Slurm requeues the job; the node returns once its slurmd registers again (ReturnToService=2).
+    wait_for(lambda: resumed(1), 180, "the resume after the node failure")
+    progress_after_resume()
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)       # what Slurm sends before the limit
+    wait_for(lambda: resumed(2), 180, "the resume after the first warning")
+    progress_after_resume()
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    assert follower.wait(timeout=180) == 1
+    followed = open(tmp_path / "follow.log").read()
+    assert re.search(r"ended NODE_FAIL: node node2 failed \(DOWN: test: node lost\) while rank 2: \w+.*; rank 3: \w+",
+                     followed), followed
+    assert "ended REQUEUED; Slurm requeues it and it resumes from the last checkpoint" in followed, followed
+    assert "RequeueLimit: Slurm warned of the job's end after 2 restart(s) (cluster.max_requeues=2)" in followed
+    assert sacct_states(job) == ["NODE_FAIL", "REQUEUED", "FAILED"]
 
+    run_cli(run, *common, *TWO_NODES, "cluster.max_requeues=2", timeout=300)     # submitted again
     attrs, its, _, samples = attrs_and_iterations(run)
     assert list(its) == list(range(25)), f"iterations lost or repeated: {list(its)}"
     keys = samples[["batch", "index"]]
     assert len(samples) == 24 * 32 and len(np.unique(keys)) == len(keys)
     log = open(next((run / "slurm" / job).glob("*_0_log.out"))).read()
-    assert "Slurm warned of the job's end: checkpointed" in log
-    a = load_file(run / "final_model" / "model.safetensors")
-    b = load_file(reference / "final_model" / "model.safetensors")
-    diff = max(float(((a[k] - b[k]).abs() / b[k].abs().clamp_min(1e-6)).max()) for k in a)
-    assert diff <= 1e-5, f"max relative difference {diff}"
+    assert "requeueing (restart 2 of at most 2)" in log
+    assert_same_rl(run, reference, exact=True)
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["cluster.gpus_per_node=8"], "cluster.gpus_per_node=8 but nodes of partition 'debug' have 4 GPUs"),
-    (["cluster.nodes=2", "cluster.gpus_per_node=2"], "cluster.nodes=2 but partition 'debug' has 1 nodes"),
+    (["cluster.nodes=3", "cluster.gpus_per_node=2"], "cluster.nodes=3 but partition 'debug' has 2 nodes"),
 ])
 def test_job_that_cannot_fit_is_refused_before_submission(tmp_path, overrides, message):
     before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout

@@ -1,12 +1,15 @@
 """Submit the job to Slurm through submitit, then follow it.
 
-Each Slurm task (one per GPU, `srun --mpi=pmix`) runs one rank in place. The submitted callable
-is checkpointable: when Slurm requeues the job (preemption, `scontrol requeue`, or our own
-requeue after a time-limit warning), it runs again on the same run directory and resumes from
-the last checkpoint there.
+Each Slurm task (one per GPU, `srun --mpi=pmix`) runs one rank in place. When Slurm restarts the
+job (preemption, node failure, `scontrol requeue`, or the ranks' own requeue after Slurm's warning,
+preemption.py), the same task runs again on the same run directory and resumes from the last
+checkpoint there. Following the job, each attempt that ended early is reported from Slurm's
+accounting (sacct): how it ended, and for a node failure which node and what the ranks there were
+doing (their status files).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,10 +20,12 @@ import time
 from ..config import ConfigError, JobConfig
 from ..timeline.reader import TIMELINE_FILE, open_timeline
 from ..timeline.schema import TimelineError
+from .failure import rank_status
 
 
 class RankTask:
-    """What every Slurm task runs: this rank of the job `cfg` (pickled by submitit)."""
+    """What every Slurm task runs: this rank of the job `cfg` (pickled by submitit). It has no
+    `checkpoint()`: Slurm's warning signal is DynaResize's (preemption.py), not submitit's."""
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
@@ -30,26 +35,40 @@ class RankTask:
         run_rank(self.cfg)
         return self.cfg.run.output_dir
 
-    def checkpoint(self):
-        """Called by submitit on requeue: run the same task again; it resumes from disk."""
-        import submitit
-        return submitit.helpers.DelayedSubmission(RankTask(self.cfg))
+
+def _slurm_json(cmd: list[str]) -> dict | None:
+    """The JSON answer of a Slurm command (`--json`, Slurm 21.08+), or None if it gives none."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=30)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+    except (subprocess.TimeoutExpired, json.JSONDecodeError):
+        return None
+
+
+def default_partition() -> str | None:
+    out = subprocess.run(["scontrol", "show", "partition", "--oneliner"], capture_output=True, text=True,
+                         timeout=30)
+    for line in out.stdout.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if fields.get("Default") == "YES":
+            return fields.get("PartitionName")
+    return None
 
 
 def partition_capacity(partition: str | None) -> dict | None:
-    """Nodes, CPUs and GPUs per node of the partition (sinfo), or None if Slurm cannot say."""
-    if shutil.which("sinfo") is None:
+    """Nodes, CPUs and GPUs per node of the partition (`sinfo --json`), or None if Slurm cannot say."""
+    info = _slurm_json(["sinfo"])
+    partition = partition or default_partition()
+    if info is None or partition is None:
         return None
-    cmd = ["sinfo", "-h", "-o", "%P|%D|%c|%G"] + (["-p", partition] if partition else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    rows = [line.split("|") for line in out.stdout.splitlines() if line.count("|") == 3]
-    if partition is None:
-        rows = [r for r in rows if r[0].endswith("*")]          # the default partition
-    if out.returncode != 0 or not rows:
+    nodes = [n for n in info.get("nodes", []) if partition in n.get("partitions", [])]
+    if not nodes:
         return None
-    gpus = [int(m.group(1)) for r in rows for m in [re.search(r"gpu(?::[^:,(]+)?:(\d+)", r[3])] if m]
-    return {"partition": rows[0][0].rstrip("*"), "nodes": sum(int(r[1]) for r in rows),
-            "cpus": max(int(r[2].rstrip("+")) for r in rows), "gpus": max(gpus, default=0)}
+    gpus = [int(m.group(1)) for n in nodes for m in [re.search(r"gpu(?::[^:,(]+)?:(\d+)", n.get("gres", ""))] if m]
+    return {"partition": partition, "nodes": len(nodes), "cpus": max(int(n["cpus"]) for n in nodes),
+            "gpus": max(gpus, default=0)}
 
 
 def check_fits(cfg: JobConfig) -> None:
@@ -77,8 +96,8 @@ def make_executor(cfg: JobConfig):
     import submitit
 
     c = cfg.cluster
-    executor = submitit.AutoExecutor(folder=os.path.join(cfg.run.output_dir, "slurm", "%j"), cluster="slurm",
-                                     slurm_max_num_timeout=c.max_requeues)
+    # cluster.max_requeues is enforced by the ranks (preemption.py), not by submitit's handler.
+    executor = submitit.AutoExecutor(folder=os.path.join(cfg.run.output_dir, "slurm", "%j"), cluster="slurm")
     params = dict(name="dynaresize", nodes=c.nodes, tasks_per_node=c.gpus_per_node,
                   gpus_per_node=c.gpus_per_node, cpus_per_task=c.cpus_per_task, timeout_min=c.time_min,
                   slurm_signal_delay_s=c.signal_delay_s,
@@ -93,12 +112,24 @@ def make_executor(cfg: JobConfig):
 
 
 def follow(job, cfg: JobConfig, poll_s: float = 2.0) -> int:
-    """A progress line until the job ends; the exit code of the job."""
+    """A progress line until the job ends, and a line for every attempt that ended early; the
+    exit code of the job."""
     timeline = os.path.join(cfg.run.output_dir, TIMELINE_FILE)
     total = cfg.run.iterations + cfg.run.max_lag
-    last = None
-    while not job.done():
-        line = f"[dynaresize] job {job.job_id}: {job.state}, iteration {iterations_done(timeline)}/{total}"
+    last, reported = None, 0
+    while True:
+        state = live_state(job.job_id)
+        # Slurm's own state: submitit takes a node failure or a requeue for the job's end.
+        done = state not in ACTIVE_STATES if state is not None else job.done(force_check=True)
+        history = attempts(job.job_id)
+        ended = history if done else history[:-1]
+        for attempt in ended[reported:]:
+            if attempt["state"] != "COMPLETED":
+                print(f"[dynaresize] job {job.job_id}: {explain_attempt(attempt, cfg)}", flush=True)
+        reported = max(reported, len(ended))
+        if done:
+            break
+        line = f"[dynaresize] job {job.job_id}: {state}, iteration {iterations_done(timeline)}/{total}"
         if line != last:
             print(line, flush=True)
             last = line
@@ -110,6 +141,64 @@ def follow(job, cfg: JobConfig, poll_s: float = 2.0) -> int:
         return 1
     print(f"[dynaresize] job {job.job_id} finished: {cfg.run.output_dir}", flush=True)
     return 0
+
+
+# States in which a job may still run (a requeued job is PENDING again).
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+                 "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT"}
+
+
+def live_state(job_id: str) -> str | None:
+    """The job's state as slurmctld holds it now (`scontrol show job --oneliner`), or None once
+    slurmctld has forgotten the job."""
+    out = subprocess.run(["scontrol", "show", "job", "--oneliner", str(job_id)], capture_output=True, text=True,
+                         timeout=30)
+    fields = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+    return fields.get("JobState") if out.returncode == 0 else None
+
+
+def attempts(job_id: str) -> list[dict]:
+    """Every run of the job so far, oldest first (Slurm's accounting, `sacct --duplicates`): its
+    state, nodes and start/end times. Empty if accounting cannot say."""
+    info = _slurm_json(["sacct", "--jobs", str(job_id), "--duplicates", "--allocations"]) or {}
+    return [{"state": j["state"]["current"], "nodes": j["nodes"], "start": j["time"]["start"],
+             "end": j["time"]["end"]} for j in info.get("jobs", [])]
+
+
+def explain_attempt(attempt: dict, cfg: JobConfig) -> str:
+    """How an attempt of the job ended; for a node failure, which node (from the node events in
+    the accounting) and what the ranks on it were doing."""
+    text = f"an attempt on {attempt['nodes']} ended {attempt['state']}"
+    if attempt["state"] == "NODE_FAIL":
+        hosts = expand_hostlist(attempt["nodes"])
+        for node, reason in failed_nodes(hosts, attempt["start"], attempt["end"]):
+            ranks = [r for r in range(cfg.cluster.ranks) if hosts[r // cfg.cluster.gpus_per_node] == node] \
+                if len(hosts) == cfg.cluster.nodes else []
+            doing = "; ".join(f"rank {r}: {rank_status(cfg.run.output_dir, r) or 'not started'}" for r in ranks)
+            text += f": node {node} failed ({reason})" + (f" while {doing}" if doing else "")
+    return text + "; Slurm requeues it and it resumes from the last checkpoint" \
+        if attempt["state"] in REQUEUED_STATES else text
+
+
+REQUEUED_STATES = ("NODE_FAIL", "PREEMPTED", "REQUEUED")
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=30)
+    return out.stdout.split()
+
+
+def failed_nodes(hosts: list[str], start: int, end: int) -> list[tuple[str, str]]:
+    """(node, reason) of `hosts` that went down between `start` and shortly after `end` (epoch s),
+    from the node events Slurm's accounting records."""
+    fmt = "%Y-%m-%dT%H:%M:%S"
+    out = subprocess.run(["sacctmgr", "--noheader", "--parsable2", "list", "events",
+                          f"start={time.strftime(fmt, time.localtime(start - 1))}",
+                          f"end={time.strftime(fmt, time.localtime(end + 60))}",
+                          f"nodes={','.join(hosts)}", "format=NodeName,State,Reason"],
+                         capture_output=True, text=True, timeout=30)
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.count("|") == 2]
+    return [(node, f"{state}: {reason}" if reason else state) for node, state, reason in rows if node in hosts]
 
 
 def iterations_done(timeline: str) -> int:

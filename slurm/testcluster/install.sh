@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the single-node test cluster needs (Debian/Ubuntu).
+# Install what the multi-node test cluster needs (Debian/Ubuntu).
 #
 # Idempotent: does nothing (and never touches the network) when every
 # package is already present, so tests and CI can call it unconditionally.
@@ -13,11 +13,14 @@ PACKAGES=(
     slurmctld
     slurmd
     slurm-client
+    slurmdbd       # accounting: sacct answers from it
+    mariadb-server # slurmdbd's database (a private instance, started by start.sh)
     munge
     libpmix-dev
     openmpi-bin
     libopenmpi-dev
-    python3 # runs the sacct stand-in in bin/
+    iproute2       # ip netns, veth, bridge: one network namespace per node
+    util-linux     # unshare, nsenter: each node's hostname and mounts
 )
 
 missing=()

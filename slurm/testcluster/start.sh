@@ -1,58 +1,76 @@
 #!/usr/bin/env bash
-# Bring up a throw-away single-node Slurm cluster for tests.
+# Bring up a throw-away multi-node Slurm cluster with real accounting, on one machine.
 #
 #   start.sh [STATE_DIR]
 #
-# Everything the cluster writes (config, state, spool, logs, PID files) lives
-# in STATE_DIR (default: a fresh temporary directory). The last line printed
-# is the path of STATE_DIR/env.sh; source it to point Slurm clients at this
-# cluster. Tear down with stop.sh STATE_DIR.
+# slurmctld, slurmdbd and a private MariaDB run in this machine's network namespace; each compute
+# node is a slurmd in its own network, UTS and mount namespace (own address, hostname, /etc/hosts
+# and node-local /var/tmp), wired to the controller by a veth pair on a bridge. Everything the
+# cluster writes (config, state, database, spool, logs, PID files) lives in STATE_DIR (default: a
+# fresh temporary directory). The last line printed is the path of STATE_DIR/env.sh; source it to
+# point Slurm clients at this cluster. Tear down with stop.sh STATE_DIR.
 #
 # Environment knobs (defaults in brackets):
-#   TESTCLUSTER_CPUS [8]  CPUs the node claims, independent of the real host
-#   TESTCLUSTER_GPUS [4]  fake GPUs (gres gpu) the node claims
+#   TESTCLUSTER_NODES [2]  compute nodes (node1, node2, ...)
+#   TESTCLUSTER_CPUS  [8]  CPUs each node claims, independent of the real host
+#   TESTCLUSTER_GPUS  [4]  fake GPUs (gres gpu) each node claims
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+NODES=${TESTCLUSTER_NODES:-2}
 CPUS=${TESTCLUSTER_CPUS:-8}
 GPUS=${TESTCLUSTER_GPUS:-4}
-[[ "$CPUS" =~ ^[1-9][0-9]*$ && "$GPUS" =~ ^[0-9]+$ ]] ||
-    { echo "testcluster: TESTCLUSTER_CPUS/GPUS must be numbers" >&2; exit 1; }
+[[ "$NODES" =~ ^[1-9]$ && "$CPUS" =~ ^[1-9][0-9]*$ && "$GPUS" =~ ^[0-9]+$ ]] ||
+    { echo "testcluster: TESTCLUSTER_NODES (1-9), TESTCLUSTER_CPUS and TESTCLUSTER_GPUS must be numbers" >&2; exit 1; }
+
+# The cluster's private network: the bridge (controller side) is .1, node i is .(10+i). Only
+# these addresses and loopback carry the cluster's traffic; the nodes have no default route.
+SUBNET=${TESTCLUSTER_SUBNET:-10.213.77}
+BRIDGE=drtc-br0
+NETNS_PREFIX=drtc-node
+DB_PORT=3316
+DBD_PORT=6819
 
 die() {
     echo "testcluster: $*" >&2
     exit 1
 }
 
-# slurmd must be root to launch jobs as the submitting user, and munged must
-# be started as the munge user; CI runners get here through sudo.
+# slurmd must be root to launch jobs as the submitting user, and namespaces need CAP_SYS_ADMIN;
+# CI runners get here through sudo.
 [[ $(id -u) -eq 0 ]] || die "must run as root (e.g. sudo $0 $*)"
-command -v slurmctld >/dev/null || die "Slurm not installed; run $HERE/install.sh"
+for cmd in slurmctld slurmd slurmdbd mariadbd ip unshare; do
+    command -v "$cmd" >/dev/null || die "$cmd not found; run $HERE/install.sh"
+done
 
-# Resolved (symlinks too, as stop.sh does, since daemons are matched by the
-# config path) but not created: nothing is written before the checks below.
+# Resolved (symlinks too, as stop.sh does, since daemons are matched by the config path) but not
+# created: nothing is written before the checks below.
 STATE_DIR=${1:+$(realpath -m "$1")}
 CONF=${STATE_DIR:+$STATE_DIR/slurm.conf}
 
-# --- refuse to fight over the fixed ports 6817/6818 ------------------------
-# Daemons are started with -f <conf>, so their command line tells which state
+# --- refuse to fight over ports, namespaces and the bridge ----------------------------------
+# Daemons are started with their config path on the command line, so it tells which state
 # directory they belong to.
-for name in slurmctld slurmd; do
+for name in slurmctld slurmd slurmdbd; do
     for pid in $(pgrep -x "$name" || true); do
-        # Zombies (empty cmdline) are already dead, waiting to be reaped.
         cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null || true)
-        cmdline=${cmdline% }
-        [[ -n "$cmdline" ]] || continue
-        if [[ -n "$CONF" && "$cmdline" == *"$CONF"* ]]; then
+        [[ -n "${cmdline% }" ]] || continue         # a zombie, waiting to be reaped
+        if [[ -n "$CONF" && "$cmdline" == *"$STATE_DIR"* ]]; then
             die "$name (pid $pid) already running for $STATE_DIR; run stop.sh $STATE_DIR first"
         fi
-        die "another $name is running (pid $pid: $cmdline); stop it first (stop.sh <its state dir>)"
+        die "another $name is running (pid $pid: ${cmdline% }); stop it first (stop.sh <its state dir>)"
     done
 done
+if ip link show "$BRIDGE" >/dev/null 2>&1 || ip netns list | grep -q "^$NETNS_PREFIX"; then
+    die "the bridge $BRIDGE or a namespace $NETNS_PREFIX* exists: another test cluster is up (or was killed); run stop.sh on its state dir"
+fi
+if ip -br addr | grep -q " $SUBNET\."; then
+    die "$SUBNET.0/24 is already used on this machine; set TESTCLUSTER_SUBNET to a free 10.x.y prefix"
+fi
 
 if [[ -n "$STATE_DIR" ]]; then
-    # Reusing a directory wipes its state/, spool/, log/...: only do that to
-    # an empty directory or one a previous start.sh wrote.
+    # Reusing a directory wipes its state: only do that to an empty directory or one a previous
+    # start.sh wrote.
     if [[ -d "$STATE_DIR" && -n "$(ls -A "$STATE_DIR")" ]] &&
         ! grep -qs '^# Generated by start.sh' "$STATE_DIR/slurm.conf"; then
         die "$STATE_DIR is not empty and not a test cluster state dir; refusing to reuse it"
@@ -63,101 +81,70 @@ else
     CONF=$STATE_DIR/slurm.conf
 fi
 
-# --- fresh state -------------------------------------------------------------
-# Each start is a clean cluster: old job state would be recovered by
-# slurmctld and job ids would restart, which would confuse the sacct cache.
-rm -rf "${STATE_DIR:?}"/{state,spool,run,log,dev,pids,env.sh} \
-    "${STATE_DIR:?}"/sacct-cache.json{,.lock}
-mkdir -p "$STATE_DIR"/{state,spool,run,log,dev}
-# Non-root users must be able to read slurm.conf (clients) and the sacct cache.
-chmod 755 "$STATE_DIR"
+# --- fresh state ---------------------------------------------------------------------------
+# Each start is a clean cluster: job ids restart at 1 and the accounting database is new.
+rm -rf "${STATE_DIR:?}"/{state,spool,run,log,dev,db,nodes,pids,env.sh,hosts}
+mkdir -p "$STATE_DIR"/{state,spool,run,log,dev,db,nodes}
+chmod 755 "$STATE_DIR"      # clients of other users read slurm.conf
 : >"$STATE_DIR/pids"
+CTL=$(hostname -s)
 
-NODE=$(hostname -s)
+# On failure, take down whatever was already started so the machine is left clean.
+fail() {
+    echo "testcluster: $*" >&2
+    for log in "$STATE_DIR"/log/*.log; do
+        [[ -f "$log" ]] || continue
+        echo "---- tail of $log" >&2
+        tail -n 15 "$log" >&2
+    done
+    "$HERE/stop.sh" "$STATE_DIR" >&2 || true
+    exit 1
+}
+trap 'fail "start.sh failed at line $LINENO"' ERR
 
-# gres/gpu refuses plain files or missing File=; a character device is needed,
-# and /dev/null is the harmless one. Slurm then sets CUDA_VISIBLE_DEVICES.
-for ((i = 0; i < GPUS; i++)); do
-    ln -s /dev/null "$STATE_DIR/dev/fakegpu$i"
+wait_for() { # what tries command...: poll every 0.1 s
+    local what=$1 tries=$2 _
+    shift 2
+    for _ in $(seq "$tries"); do
+        "$@" >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    fail "$what"
+}
+
+record_pidfile() { # name pidfile: daemons fork, so the PID comes from their file
+    wait_for "$1 did not start" 150 test -s "$2"
+    echo "$1 $(cat "$2")" >>"$STATE_DIR/pids"
+}
+
+# --- network: a bridge on the controller, one namespace per node -----------------------------
+ip link add "$BRIDGE" type bridge
+echo "bridge $BRIDGE" >>"$STATE_DIR/pids"
+ip addr add "$SUBNET.1/24" dev "$BRIDGE"
+ip link set "$BRIDGE" up
+{
+    echo "127.0.0.1 localhost"
+    echo "$SUBNET.1 $CTL"
+    for ((n = 1; n <= NODES; n++)); do echo "$SUBNET.$((10 + n)) node$n"; done
+} >"$STATE_DIR/hosts"
+for ((n = 1; n <= NODES; n++)); do
+    ns=$NETNS_PREFIX$n
+    ip netns add "$ns"
+    echo "netns $ns" >>"$STATE_DIR/pids"
+    ip link add "drtc-v$n" type veth peer name eth0 netns "$ns"
+    echo "veth drtc-v$n" >>"$STATE_DIR/pids"
+    ip link set "drtc-v$n" master "$BRIDGE" up
+    ip -n "$ns" addr add "$SUBNET.$((10 + n))/24" dev eth0
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set eth0 up
+    mkdir -p "$STATE_DIR/nodes/node$n/var-tmp" "$STATE_DIR/spool/node$n"
+    chmod 1777 "$STATE_DIR/nodes/node$n/var-tmp"
 done
 
-cat >"$STATE_DIR/gres.conf" <<EOF
-# Generated by start.sh. Fake GPUs: symlinks to /dev/null.
-AutoDetect=off
-EOF
-if ((GPUS > 0)); then
-    echo "Name=gpu File=$STATE_DIR/dev/fakegpu[0-$((GPUS - 1))]" >>"$STATE_DIR/gres.conf"
-    node_gres="Gres=gpu:$GPUS"
-else
-    node_gres=""
-fi
-
-cat >"$CONF" <<EOF
-# Generated by start.sh: single-node test cluster, everything on 127.0.0.1.
-ClusterName=dynaresize-test
-SlurmctldHost=$NODE(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
-SlurmctldPort=6817
-SlurmdPort=6818
-AuthType=auth/munge
-# cred_expire also delays the restart of requeued jobs (default 120 s).
-AuthInfo=cred_expire=10
-
-StateSaveLocation=$STATE_DIR/state
-SlurmdSpoolDir=$STATE_DIR/spool
-SlurmctldPidFile=$STATE_DIR/run/slurmctld.pid
-SlurmdPidFile=$STATE_DIR/run/slurmd.pid
-SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
-SlurmdLogFile=$STATE_DIR/log/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-# No mail on a test node; the default /bin/mail is usually absent.
-MailProg=/bin/true
-
-# No cgroups in containers/CI: track processes via /proc, no task binding.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-MpiDefault=pmix
-
-# No slurmdbd: sacct is replaced by bin/sacct (reads scontrol).
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-# Keep finished jobs visible to scontrol (and so to bin/sacct) for an hour.
-MinJobAge=3600
-
-SchedulerType=sched/backfill
-# Tests poll for state changes: start batch jobs within ~1 s of submission
-# (default delay up to 3 s) and re-check time-gated jobs (requeued, --begin)
-# every 2 s instead of every 30-60 s. Cheap on a single node.
-SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-GresTypes=gpu
-# Reject jobs that can never fit at submit time instead of pending forever.
-EnforcePartLimits=ALL
-JobRequeue=1
-ReturnToService=2
-
-# Tests want fast cancellation/teardown; a lone local node needs no slack.
-KillWait=2
-SlurmctldTimeout=30
-SlurmdTimeout=30
-MessageTimeout=10
-InactiveLimit=0
-
-# The node advertises the CPUs/GPUs below, not what the host really has.
-SlurmdParameters=config_overrides
-NodeName=$NODE NodeAddr=127.0.0.1 NodeHostname=$NODE CPUs=$CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=16000 $node_gres State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-EOF
-
-export SLURM_CONF=$CONF
-
-# --- munge ---------------------------------------------------------------------
-# Reuse a working munged (e.g. the distro service on a CI runner); otherwise
-# start one and remember it, so stop.sh only kills what we started.
+# --- munge -----------------------------------------------------------------------------------
+# Reuse a working munged (e.g. the distro service on a CI runner); otherwise start one and
+# remember it, so stop.sh only kills what we started. Its socket is a file, so the nodes'
+# namespaces reach it too.
 munge_ok() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
 if ! munge_ok; then
     if [[ ! -s /etc/munge/munge.key ]]; then
@@ -174,63 +161,174 @@ if ! munge_ok; then
     chown munge:munge /run/munge /var/lib/munge /var/log/munge
     # --force: a previous munged killed hard leaves a stale socket behind.
     runuser -u munge -- /usr/sbin/munged --force
-    for _ in $(seq 50); do
-        munge_ok && break
-        sleep 0.1
-    done
-    munge_ok || die "munged did not come up; see /var/log/munge/munged.log"
+    wait_for "munged did not come up; see /var/log/munge/munged.log" 50 munge_ok
     echo "munged $(cat /run/munge/munged.pid)" >>"$STATE_DIR/pids"
 fi
 
-# --- slurm daemons -----------------------------------------------------------
-# On failure, take down whatever was already started so CI is left clean.
-fail() {
-    echo "testcluster: $*" >&2
-    for log in "$STATE_DIR"/log/slurmctld.log "$STATE_DIR"/log/slurmd.log; do
-        [[ -f "$log" ]] || continue
-        echo "---- tail of $log" >&2
-        tail -n 25 "$log" >&2
-    done
-    "$HERE/stop.sh" "$STATE_DIR" >&2 || true
-    exit 1
-}
+# --- accounting: a private MariaDB and slurmdbd ----------------------------------------------
+DB_PASS=$(head -c 18 /dev/urandom | base64 | tr -d '/+=')
+mariadb-install-db --no-defaults --datadir="$STATE_DIR/db" --user=root --auth-root-authentication-method=socket \
+    >"$STATE_DIR/log/mariadb-install.log" 2>&1 || fail "mariadb-install-db failed"
+mariadbd --no-defaults --datadir="$STATE_DIR/db" --user=root --socket="$STATE_DIR/run/mariadb.sock" \
+    --pid-file="$STATE_DIR/run/mariadb.pid" --log-error="$STATE_DIR/log/mariadb.log" \
+    --bind-address=127.0.0.1 --port=$DB_PORT --skip-name-resolve \
+    --innodb-buffer-pool-size=64M --innodb-log-file-size=16M </dev/null >/dev/null 2>&1 &
+disown
+record_pidfile mariadbd "$STATE_DIR/run/mariadb.pid"
+sql() { mariadb --no-defaults --socket="$STATE_DIR/run/mariadb.sock" -u root "$@"; }
+wait_for "MariaDB did not accept connections" 300 sql -e "SELECT 1"
+sql -e "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$DB_PASS';
+        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
 
-wait_pidfile() { # name pidfile: daemons fork, so the PID comes from the file
-    local _
-    for _ in $(seq 100); do
-        if [[ -s "$2" ]] && kill -0 "$(cat "$2")" 2>/dev/null; then
-            echo "$1 $(cat "$2")" >>"$STATE_DIR/pids"
-            return 0
-        fi
-        sleep 0.1
-    done
-    fail "$1 did not start"
-}
+# slurmdbd reads slurmdbd.conf beside $SLURM_CONF; it holds a password, so root-only.
+export SLURM_CONF=$CONF
+install -m 600 /dev/null "$STATE_DIR/slurmdbd.conf"
+cat >"$STATE_DIR/slurmdbd.conf" <<EOF
+# Generated by start.sh: accounting for the test cluster.
+AuthType=auth/munge
+DbdHost=$CTL
+DbdAddr=$SUBNET.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+PidFile=$STATE_DIR/run/slurmdbd.pid
+LogFile=$STATE_DIR/log/slurmdbd.log
+DebugLevel=info
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$DB_PASS
+StorageLoc=slurm_acct_db
+EOF
+
+# --- slurm.conf ------------------------------------------------------------------------------
+# gres/gpu refuses plain files or missing File=; a character device is needed, and /dev/null is
+# the harmless one. Slurm then sets CUDA_VISIBLE_DEVICES.
+for ((i = 0; i < GPUS; i++)); do
+    ln -s /dev/null "$STATE_DIR/dev/fakegpu$i"
+done
+echo "# Generated by start.sh. Fake GPUs: symlinks to /dev/null." >"$STATE_DIR/gres.conf"
+echo "AutoDetect=off" >>"$STATE_DIR/gres.conf"
+node_gres=""
+if ((GPUS > 0)); then
+    echo "Name=gpu File=$STATE_DIR/dev/fakegpu[0-$((GPUS - 1))]" >>"$STATE_DIR/gres.conf"
+    node_gres="Gres=gpu:$GPUS"
+fi
+
+cat >"$CONF" <<EOF
+# Generated by start.sh: $NODES-node test cluster on the bridge $BRIDGE ($SUBNET.0/24).
+ClusterName=dynaresize-test
+SlurmctldHost=$CTL($SUBNET.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort=6817
+SlurmdPort=6818
+AuthType=auth/munge
+# cred_expire also delays the restart of requeued jobs (default 120 s).
+AuthInfo=cred_expire=10
+
+StateSaveLocation=$STATE_DIR/state
+# The nodes share this machine's /tmp (where the tests' shared run directories live); /var/tmp
+# is each node's own. PMIx puts per-step directories with fixed names in TmpFS.
+TmpFS=/var/tmp
+# %n: each node's slurmd keeps its own spool, PID and log file.
+SlurmdSpoolDir=$STATE_DIR/spool/%n
+SlurmctldPidFile=$STATE_DIR/run/slurmctld.pid
+SlurmdPidFile=$STATE_DIR/run/slurmd-%n.pid
+SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
+SlurmdLogFile=$STATE_DIR/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# No mail on a test node; the default /bin/mail is usually absent.
+MailProg=/bin/true
+
+# No cgroups in containers/CI: track processes via /proc, no task binding.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=pmix
+
+# Real accounting: jobs and steps go to slurmdbd (MariaDB), so sacct answers.
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=$SUBNET.1
+AccountingStoragePort=$DBD_PORT
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30
+JobCompType=jobcomp/none
+
+SchedulerType=sched/backfill
+# Tests poll for state changes: start batch jobs within ~1 s of submission (default delay up to
+# 3 s) and re-check time-gated jobs (requeued, --begin) every 2 s instead of every 30-60 s.
+SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu
+# Reject jobs that can never fit at submit time instead of pending forever.
+EnforcePartLimits=ALL
+JobRequeue=1
+ReturnToService=2
+
+# Tests want fast cancellation/teardown and fast detection of a dead node.
+KillWait=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+MessageTimeout=10
+InactiveLimit=0
+
+# The nodes advertise the CPUs/GPUs below, not what the host really has.
+SlurmdParameters=config_overrides
+EOF
+for ((n = 1; n <= NODES; n++)); do
+    echo "NodeName=node$n NodeAddr=$SUBNET.$((10 + n)) NodeHostname=node$n CPUs=$CPUS Boards=1 SocketsPerBoard=1" \
+        "CoresPerSocket=$CPUS ThreadsPerCore=1 RealMemory=16000 $node_gres State=UNKNOWN" >>"$CONF"
+done
+echo "PartitionName=debug Nodes=node[1-$NODES] Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
+
+# --- daemons ---------------------------------------------------------------------------------
+slurmdbd >"$STATE_DIR/log/slurmdbd.out" 2>&1 || fail "slurmdbd failed to start"
+record_pidfile slurmdbd "$STATE_DIR/run/slurmdbd.pid"
+wait_for "slurmdbd did not answer" 300 sacctmgr -n list cluster
+sacctmgr -i add cluster dynaresize-test >/dev/null
+sacctmgr -i add account dynaresize Description=tests Organization=tests >/dev/null
+sacctmgr -i add user root Account=dynaresize >/dev/null
+if [[ -n "${SUDO_USER:-}" && "$SUDO_USER" != root ]]; then
+    sacctmgr -i add user "$SUDO_USER" Account=dynaresize >/dev/null
+fi
 
 # -i: tolerate unreadable state files instead of refusing to start.
 slurmctld -i -f "$CONF" || fail "slurmctld failed to start"
-wait_pidfile slurmctld "$STATE_DIR/run/slurmctld.pid"
-slurmd -f "$CONF" || fail "slurmd failed to start"
-wait_pidfile slurmd "$STATE_DIR/run/slurmd.pid"
+record_pidfile slurmctld "$STATE_DIR/run/slurmctld.pid"
 
-deadline=$((SECONDS + 60))
-until [[ "$(sinfo -h -N -n "$NODE" -o %T 2>/dev/null)" == idle ]]; do
-    ((SECONDS < deadline)) || fail "node $NODE not idle after 60 s (state: $(sinfo -h -N -o %T 2>&1))"
-    sleep 0.2
+# Each node: its own network namespace (address), UTS namespace (hostname) and mount namespace,
+# in which /etc/hosts names the cluster's hosts and /var/tmp is the node's own scratch disk.
+# nsenter rather than `ip netns exec`, which remounts /sys and so hides the cgroup filesystem
+# slurmd initialises at start.
+for ((n = 1; n <= NODES; n++)); do
+    node=node$n
+    nsenter --net="/run/netns/$NETNS_PREFIX$n" unshare --uts --mount --propagation private bash -c "
+        hostname $node
+        mount --bind '$STATE_DIR/hosts' /etc/hosts
+        mount --bind '$STATE_DIR/nodes/$node/var-tmp' /var/tmp
+        exec slurmd -f '$CONF'" || fail "slurmd of $node failed to start"
+    record_pidfile "slurmd-$node" "$STATE_DIR/run/slurmd-$node.pid"
 done
 
-# --- client environment --------------------------------------------------------
-# PMIX_MCA_psec=native: the PMIx bundled with the PyPI Open MPI 5 wheel
-# (mpi4py) cannot load the security plugin selection Slurm's PMIx 4 server
-# hands it, and every rank of `srun --mpi=pmix` prints a "Sorry! ...
-# find-available:not-valid" block; native is what both sides support.
+deadline=$((SECONDS + 60))
+until [[ "$(sinfo -h -o %T 2>/dev/null | sort -u)" == idle ]]; do
+    ((SECONDS < deadline)) || fail "nodes not idle after 60 s: $(sinfo -h -N -o '%N %T' 2>&1 | tr '\n' ' ')"
+    sleep 0.2
+done
+trap - ERR
+
+# --- client environment ----------------------------------------------------------------------
+# PMIX_MCA_psec=native: the PMIx bundled with the PyPI Open MPI 5 wheel (mpi4py) cannot load the
+# security plugin selection Slurm's PMIx 4 server hands it, and every rank of `srun --mpi=pmix`
+# prints a "Sorry! ... find-available:not-valid" block; native is what both sides support.
 {
     echo "# Source this to use the test cluster in $STATE_DIR"
     printf 'export SLURM_CONF=%q\n' "$CONF"
-    # shellcheck disable=SC2016 # $PATH is meant to expand when sourced
-    printf 'export PATH=%q:"$PATH"\n' "$HERE/bin"
     echo 'export PMIX_MCA_psec=native'
     printf 'export DYNARESIZE_TESTCLUSTER_DIR=%q\n' "$STATE_DIR"
 } >"$STATE_DIR/env.sh"
 
+echo "testcluster: $NODES nodes up ($(sinfo -h -N -o '%N' | paste -sd ' ')), accounting on slurmdbd" >&2
 echo "$STATE_DIR/env.sh"
