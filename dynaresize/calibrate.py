@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .costmodel import Coefficients, HardwareProfile, load_profile
+from .hardware import Coefficients, HardwareProfile, load_profile
 from .timeline import schema
 from .timeline.reader import TIMELINE_FILE, read_arrays, resolve_path
 
@@ -518,7 +518,7 @@ def profile_yaml(cal: Calibration, name: str, description: str = "", command: st
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dynaresize.calibrate",
-                                description="Fit a hardware profile (dynaresize.costmodel) to real timelines.")
+                                description="Fit a hardware profile (dynaresize.hardware) to real timelines.")
     p.add_argument("paths", nargs="+", help="run folders or timeline.h5 files")
     p.add_argument("--out", help="YAML file to write (e.g. conf/hardware/cpu_tiny.yaml)")
     p.add_argument("--name", help="profile name (default: the --out file's stem)")

@@ -1,8 +1,10 @@
-"""The state of one rank in a running job, and the stages the recipe (loop.py) calls in order.
+"""One rank of a running job: the stages the recipe (loop.py) calls in order, with real work.
 
-A rank holds a rollout engine while it generates and a sharded trainer while it trains; the role
-table says which. Stages record timed events; at the end of each iteration rank 0 gathers them,
-appends them to the timeline, asks the policy for the next split and broadcasts the decision.
+What the rank holds is typed (types.RankState): the role table, a rollout engine while it
+generates, a sharded trainer while it trains, a parked engine; start-up sets it and only a switch
+(resize.switch: the state and the plan in, the next state out) changes it. Stages record timed
+events; at the end of each iteration rank 0 gathers them, appends them to the timeline, asks the
+policy for the next split and broadcasts the decision.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from .config import JobConfig, to_yaml
 from .flat import FlatLayout
 from .groups import GroupRegistry
 from .model import eos_token_ids, load_model, model_skeleton, prepare_checkpoint, save_model
-from .costmodel import CostModel, job_profile
+from .costmodel import CostModel
+from .hardware import job_profile
 from .policy import Decision, IterationStats, make_policy
 from .prediction import Lengths
 from .resize import colocated_release, colocated_restore, switch
@@ -35,7 +38,7 @@ from .timeline.reader import TIMELINE_FILE
 from .timeline.recorder import Recorder
 from .timeline.writer import TimelineWriter
 from .trainer import ShardedTrainer
-from .types import Sample
+from .types import RankState, Sample
 from .workload import digest, make_task, sample_seed
 
 
@@ -76,25 +79,27 @@ class Job:
             self.task = make_task(cfg, self.model_dir)          # where prompts come from
             self.score = Scorer(cfg.reward, self.task.decode, eos_token_ids(self.model_dir))
             if resume is not None:
-                self.table = resume.table
+                table = resume.table
                 self.policy.load_state(resume.policy_state)
             else:
-                self.table = (RoleTable.colocated(self.world) if colocated
-                              else RoleTable.split(self.world, self.policy.initial_train_ranks()))
-            self.registry.ensure(self.table.num_train)
+                table = (RoleTable.colocated(self.world) if colocated
+                         else RoleTable.split(self.world, self.policy.initial_train_ranks()))
+            self.registry.ensure(table.num_train)
             self.layout = FlatLayout.of(model_skeleton(self.model_dir))
             # the model a switch plan prices: the profile's when emulating, else this one
             self.priced_numel = self.cost.numel if self.cost else self.layout.numel
             weights = checkpoint.load_flat_params(resume, self.layout.numel) if resume else None
-            self.engine = self.trainer = None
-            self.parked_engine = None         # a released engine kept for the rank's return to rollout
-            self.parked_ranks: frozenset[int] = frozenset()   # every rank's, as the switch plans see them
-            if self.table.generates(self.rank):
+            engine = trainer = None
+            if table.generates(self.rank):
                 self.set_status("engine_start (startup)")
-                self.engine = self._start_engine(weights)
-            if self.table.trains(self.rank):
+                engine = self.new_engine(weights)
+            if table.trains(self.rank):
                 self.set_status("trainer_start (startup)")
-                self.trainer = self._start_trainer(weights, resume)
+                trainer = self.new_trainer(weights)
+                shard = checkpoint.load_shard(resume, self.layout.numel, table.train_ranks().index(self.rank)) \
+                    if resume else None
+                trainer.join(self.registry.get("train", table.num_train), table.train_ranks(), self.rank, shard)
+            self.state = RankState(table, engine, trainer)
             ev["attrs"]["groups"] = self.registry.creations
 
         self.first_iteration = resume.iteration + 1 if resume else 0
@@ -125,21 +130,33 @@ class Job:
             path = prepare_checkpoint(self.cfg.model, os.path.join(self.run_dir, "initial_model"))
         return self.ctrl.bcast(path)
 
-    def _start_engine(self, weights: torch.Tensor | None = None):
+    # --- what the rank holds (RankState: only start-up and a switch change it) ----------------
+    @property
+    def table(self) -> RoleTable:
+        return self.state.table
+
+    @property
+    def engine(self):
+        return self.state.engine
+
+    @property
+    def trainer(self) -> ShardedTrainer | None:
+        return self.state.trainer
+
+    def new_engine(self, weights: torch.Tensor | None = None):
+        """A rollout engine of this job's model (with `weights` loaded, if given)."""
         engine = make_engine(self.cfg.rollout, self.model_dir, self.cfg.model.dtype, self.device,
                              self.cfg.run.seed)
         if weights is not None:
             engine.load_weights(self.layout.views(weights))
         return engine
 
-    def _start_trainer(self, weights: torch.Tensor | None = None, resume=None) -> ShardedTrainer:
+    def new_trainer(self, weights: torch.Tensor | None = None) -> ShardedTrainer:
+        """A trainer of this job's model (float32 master weights), not yet in a train group."""
         model = load_model(self.model_dir, "float32", self.device)
         trainer = ShardedTrainer(model, self.cfg.trainer, self.cfg.rollout.temperature, self.device)
         if weights is not None:
             trainer.flat.copy_(weights)
-        index = self.table.train_ranks().index(self.rank)
-        shard = checkpoint.load_shard(resume, self.layout.numel, index) if resume else None
-        trainer.join(self.registry.get("train", self.table.num_train), self.table.train_ranks(), self.rank, shard)
         return trainer
 
     def _open_timeline(self, resume) -> TimelineWriter:
@@ -177,7 +194,7 @@ class Job:
         self.set_status(f"iteration {it} ({self.table.describe()}, {self.role})")
 
     def switch(self, it: int, decision: Decision) -> None:
-        switch(self, it, decision)
+        self.state = switch(self, it, decision)
 
     def rollout(self, it: int, batch: int) -> list[Sample]:
         """Generate this rank's share of batch `batch`: whole prompt groups, placed by prompt length
@@ -206,11 +223,11 @@ class Job:
                                                          [len(req.prompt.tokens) for req in requests]))
         return samples
 
-    def exchange(self, it: int, samples: list[Sample]) -> list[Sample]:
+    def exchange(self, it: int, samples: list[Sample] | None) -> list[Sample]:
         """Hand the generated samples to every rank (control plane); returns the whole batch."""
         self.set_status(f"exchange (iteration {it}, {self.table.describe()}, {self.role})")
         with self.rec.span(it, "exchange", self.role):
-            parts = self.ctrl.allgather(samples)
+            parts = self.ctrl.allgather(samples or [])
         batch = sorted((s for part in parts for s in part), key=lambda s: s.index)
         self._new_samples.extend(batch)
         return batch
@@ -320,7 +337,7 @@ class Job:
         self.set_status("finished (suspended after a checkpoint, to be resumed)")
 
     def _close_engines(self) -> None:
-        for engine in (self.engine, self.parked_engine):
+        for engine in (self.state.engine, self.state.parked_engine):
             if engine is not None:
                 engine.close()
 

@@ -5,17 +5,38 @@ they hold, and train ranks train on batch i - L. With L = 0 training waits for t
 batch (synchronous); with L = 1 it trains on the batch generated in the previous iteration while
 the next one is generated (one step off-policy). L is fixed for a run: the split never changes
 what is computed, only where.
+
+The loop is written once, over the stages of `Stages`. The runtime's `Job` (job.py) does each
+stage's real work on this rank; the simulator (sim/core.py) prices it for every rank at once with
+the cost model. What a stage hands to the next (the generated samples, the batch to train) is
+opaque to the loop: samples in the runtime, a batch number in the simulator.
 """
 from __future__ import annotations
 
-from .comm import ControlPlane
-from .config import JobConfig
-from .job import Job
+from typing import Any, Protocol
+
+from .policy import Decision
 
 
-def run_job(cfg: JobConfig, ctrl: ControlPlane) -> None:
-    job = Job(cfg, ctrl)                      # groups, model, roles, engine/trainer, timeline
-    lag, iterations = cfg.run.max_lag, cfg.run.iterations
+class Stages(Protocol):
+    first_iteration: int            # 0, or the iteration after a resumed checkpoint
+    pending_batch: Any              # generated, not yet trained (max_lag 1; a resumed run's)
+    pending_decision: Decision | None
+    end_warned: bool                # Slurm warned of the job's end (agreed at end_iteration)
+
+    def begin_iteration(self, it: int) -> None: ...
+    def switch(self, it: int, decision: Decision) -> None: ...
+    def rollout(self, it: int, batch: int) -> Any: ...
+    def exchange(self, it: int, generated: Any) -> Any: ...
+    def train(self, it: int, batch: Any) -> None: ...
+    def sync_weights(self, it: int) -> None: ...
+    def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision: ...
+    def checkpoint_if_due(self, it: int, ready: Any, decision: Decision) -> None: ...
+    def requeue(self) -> None: ...
+    def finish(self) -> None: ...
+
+
+def run_iterations(job: Stages, iterations: int, lag: int) -> None:
     ready = job.pending_batch                 # generated, not yet trained (resumed runs start with it)
     decision = job.pending_decision
 
@@ -26,7 +47,7 @@ def run_job(cfg: JobConfig, ctrl: ControlPlane) -> None:
         generate = it if it < iterations else None
         train = it - lag if it >= lag else None
 
-        samples = job.rollout(it, generate) if generate is not None else []
+        samples = job.rollout(it, generate) if generate is not None else None
         if lag == 0:
             ready = job.exchange(it, samples)     # trainers wait for this iteration's batch
         if train is not None:
@@ -43,3 +64,9 @@ def run_job(cfg: JobConfig, ctrl: ControlPlane) -> None:
             return
 
     job.finish()
+
+
+def run_job(cfg, ctrl) -> None:
+    """One rank of the job `cfg` (dynaresize.config.JobConfig) over the control plane `ctrl`."""
+    from .job import Job                      # torch: only where a rank runs, not in the simulator
+    run_iterations(Job(cfg, ctrl), cfg.run.iterations, cfg.run.max_lag)

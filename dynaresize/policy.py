@@ -297,6 +297,7 @@ def make_policy(job, cost=None) -> Policy:
     """The policy of job config `job` (dynaresize.config.JobConfig). `cost`: the cost model that
     prices splits (the dynamic policy's); default: the job's hardware profile."""
     if cost is None and job.policy.name == "dynamic":
-        from .costmodel import CostModel, job_profile
+        from .costmodel import CostModel
+        from .hardware import job_profile
         cost = CostModel.for_job(job, job_profile(job))
     return POLICIES[job.policy.name](job, cost)

@@ -9,6 +9,7 @@ table versions are never live.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -19,13 +20,11 @@ import torch.distributed as dist
 
 from . import switchplan
 from .flat import shard_range
-from .model import load_model
 from .policy import Decision
 from .roles import RoleTable
 from .staging import STATE_FIELDS, read_shard, shard_path, write_shard
 from .timeline.schema import BACKGROUND, CRITICAL
-from .trainer import ShardedTrainer
-from .types import ShardState
+from .types import RankState, ShardState
 
 # Fault injection for tests: "RANK:OPERATION" makes that rank die (SIGKILL) when it starts that op.
 FAULT_ENV = "DYNARESIZE_INJECT_FAULT"
@@ -140,12 +139,12 @@ def inject_fault(rank: int, op: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def switch(job, it: int, decision: Decision) -> None:
+def switch(job, it: int, decision: Decision) -> RankState:
     """Move from the current table to one with `decision.to_train` train ranks: run this rank's
-    operations of the switch plan."""
-    old = job.table
+    operations of the switch plan; the rank's new state."""
+    old = job.state.table
     new = old.with_split(decision.to_train)
-    sp = switchplan.plan(old, new, parked=job.parked_ranks,
+    sp = switchplan.plan(old, new, parked=job.state.parked_ranks,
                          transport=switchplan.transport(job.cfg.staging.transport, job.ctrl.hostnames,
                                                         max(old.num_train, new.num_train)),
                          numel=job.priced_numel,
@@ -153,17 +152,20 @@ def switch(job, it: int, decision: Decision) -> None:
     run = SwitchRun(job, OpTimer(job, it, old, new), sp)
     for op in sp.for_rank(job.rank):
         getattr(run, op.name)(op)
-    run.finish()
+    return run.finish()
 
 
 class SwitchRun:
-    """One rank's part of a switch: a method per operation name, called in the plan's order."""
+    """One rank's part of a switch: a method per operation name, called in the plan's order. It
+    changes a copy of the rank's state (`self.state`), returned by finish(); `job` gives the
+    job's services (control plane, groups, model, staging, the timeline)."""
 
     def __init__(self, job, timer: OpTimer, sp: switchplan.SwitchPlan):
         self.job, self.timer, self.sp = job, timer, sp
+        self.state = dataclasses.replace(job.state)
         self.k, self.k2, self.r = sp.old.num_train, sp.new.num_train, job.rank
         self.was_train, self.will_train = sp.old.trains(self.r), sp.new.trains(self.r)
-        self.shard = job.trainer.export_shard() if self.was_train else None
+        self.shard = self.state.trainer.export_shard() if self.was_train else None
         self.new_shard = None            # this rank's new range, when resharded over the network
         self.pending = None              # ... or being staged in
 
@@ -180,10 +182,10 @@ class SwitchRun:
             job.registry.ensure(self.k2)  # a lookup; a collective creation only without reuse
 
     def release(self, op) -> None:       # joining training: the engine's memory goes first
-        job = self.job
-        with self.timer.op(op.name, price=op.price, mode=job.cfg.rollout.release):
-            job.engine.release()         # parked: sleep mode keeps it for a cheap return
-            job.parked_engine, job.engine = job.engine, None
+        state = self.state
+        with self.timer.op(op.name, price=op.price, mode=self.job.cfg.rollout.release):
+            state.engine.release()       # parked: sleep mode keeps it for a cheap return
+            state.parked_engine, state.engine = state.engine, None
 
     def reshard(self, op) -> None:       # across nodes: ranges move over the data plane
         job = self.job
@@ -208,25 +210,24 @@ class SwitchRun:
         job.staged_files.append(path)
 
     def engine_start(self, op) -> None:  # joining rollout: its parked engine or a new one
-        job = self.job
-        restored = job.parked_engine is not None
+        state = self.state
+        restored = state.parked_engine is not None
         with self.timer.op(op.name, price=op.price_for(self.r), restored=restored):
             if restored:
-                job.engine, job.parked_engine = job.parked_engine, None
-                job.engine.restore()
+                state.engine, state.parked_engine = state.parked_engine, None
+                state.engine.restore()
             else:
-                job.engine = job._start_engine()
+                state.engine = self.job.new_engine()
 
     def weight_load(self, op) -> None:
-        job = self.job
+        job, state = self.job, self.state
         with self.timer.op(op.name, price=op.price) as ev:
             if not op.collective:        # leaving training: its own weights into its engine
-                job.engine.load_weights(job.layout.views(job.trainer.flat))
+                state.engine.load_weights(job.layout.views(state.trainer.flat))
             else:                        # the new train set gets train rank 0's weights
-                if job.trainer is None:
-                    job.trainer = ShardedTrainer(load_model(job.model_dir, "float32", job.device), job.cfg.trainer,
-                                                 job.cfg.rollout.temperature, job.device)
-                dist.broadcast(job.trainer.flat, src=0, group=job.registry.get("train", self.k2))
+                if state.trainer is None:
+                    state.trainer = job.new_trainer()
+                dist.broadcast(state.trainer.flat, src=0, group=job.registry.get("train", self.k2))
             ev["bytes"] = job.layout.numel * 4
 
     def stage_in(self, op) -> None:      # this rank's new range, from the files of its old owners
@@ -245,18 +246,19 @@ class SwitchRun:
 
         self.pending = self.timer.background(op.name, read, critical=op.critical)
 
-    def finish(self) -> None:
-        """The rank's new role: its trainer joins the new train group (its range still arriving,
+    def finish(self) -> RankState:
+        """The rank's new state: its trainer joins the new train group (its range still arriving,
         maybe), or it is gone; the groups of the old split go (without reuse); the new table."""
-        job = self.job
+        job, state = self.job, self.state
         if self.was_train and not self.will_train:
-            job.trainer = None
+            state.trainer = None
         if self.will_train:
             pending = self.pending if self.pending is not None else Done(self.new_shard)
-            job.trainer.join(job.registry.get("train", self.k2), self.sp.new.train_ranks(), self.r, pending=pending)
+            state.trainer.join(job.registry.get("train", self.k2), self.sp.new.train_ranks(), self.r, pending=pending)
         job.registry.release_unreused(self.k)
-        job.table, job.parked_ranks = self.sp.new, self.sp.parked_after
+        state.table, state.parked_ranks = self.sp.new, self.sp.parked_after
         job.set_status(f"running ({self.sp.new.describe()})")
+        return state
 
 
 def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: int) -> ShardState | None:

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from dynaresize.config import ModelConfig
-from dynaresize.costmodel import (CONF_DIR, Coefficients, CostModel, HardwareProfile, ModelSpec, ProfileError,
-                                  available_profiles, load_profile, qwen2_params)
+from dynaresize.costmodel import CostModel
+from dynaresize.hardware import (CONF_DIR, Coefficients, HardwareProfile, ModelSpec, ProfileError, available_profiles,
+                                 load_profile, qwen2_params)
 from dynaresize.timeline.schema import SWITCH_OPS
 
 HARDWARE = os.path.join(CONF_DIR, "hardware")

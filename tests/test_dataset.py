@@ -135,7 +135,8 @@ def test_bad_dataset_or_reward_is_refused_before_any_rank_starts(user_files, sta
     from omegaconf import OmegaConf
 
     from dynaresize.cli import check_inputs
-    from dynaresize.config import ConfigError, load_config, validate
+    from dynaresize.config import ConfigError, load_config
+    from dynaresize.validate import validate
     cases = [({"data": {"max_prompt_length": 8}}, "data.max_prompt_length: 200 prompt(s) are longer than 8"),
              ({"data": {"max_prompt_length": 8, "truncation": "left"}}, None),
              ({"workload": {"length_max": 2000}}, "max_position_embeddings"),

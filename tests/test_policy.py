@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dynaresize.config import load_config
-from dynaresize.costmodel import CostModel, load_profile
+from dynaresize.costmodel import CostModel
+from dynaresize.hardware import load_profile
 from dynaresize.policy import DynamicPolicy, IterationStats, ScriptedPolicy, make_policy
 from dynaresize.prediction import IterationModel, Lengths
 

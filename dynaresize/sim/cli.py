@@ -12,8 +12,11 @@ runtime's schema (file attribute mode="simulate"): `python -m analysis.cli RUN_D
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
+
+import numpy as np
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,9 +25,23 @@ from omegaconf import DictConfig
 from .. import CONF_DIR
 from ..config import ConfigError
 from .config import prepare, register_schema
-from .core import Simulator, summary_line
+from .core import Simulator
 
 register_schema()
+
+
+def summary_line(path: str) -> str:
+    """One line about a simulated run, read back from its timeline (h5py only)."""
+    from ..timeline.reader import read_arrays
+    attrs, data = read_arrays(path, ("iterations", "events", "decisions"))
+    its, ev = data["iterations"], data["events"]
+    tokens = int(ev["tokens"][ev["name"] == b"rollout"].astype(np.int64).sum())
+    moves = int((data["decisions"]["action"] == b"move").sum())
+    wall = float(attrs.get("sim_wall_s", math.nan))
+    span = float(its["end"].max() - its["start"].min()) if len(its) else math.nan
+    return (f"{attrs['policy']}: {int(attrs['world_size'])} ranks, {len(its)} iterations, "
+            f"simulated {span:,.1f} s, {tokens / span if span > 0 else math.nan:,.0f} tok/s, "
+            f"{moves} resizes, wall {wall:.2f} s")
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")

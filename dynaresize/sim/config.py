@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from ..config import ConfigError, JobConfig, load_config, to_yaml
-from ..costmodel import HardwareProfile, ProfileError, job_profile
+from ..hardware import HardwareProfile, ProfileError, job_profile
 
 
 

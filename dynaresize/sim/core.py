@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import time
 
@@ -33,6 +32,7 @@ import numpy as np
 from .. import __version__
 from ..costmodel import CostModel
 from .. import switchplan
+from ..loop import run_iterations
 from ..placement import place_prompts
 from ..policy import Decision, IterationStats, make_policy
 from ..prediction import IterationModel, Lengths, Prediction
@@ -42,59 +42,10 @@ from ..timeline import schema
 from ..timeline.reader import TIMELINE_FILE
 from ..timeline.writer import TimelineWriter
 from .config import SimSetup
+from .events import NONE, ROLE_CODES, EventBuffer
 from .oracle import OraclePolicy
 
-ROLE_CODES = {name: i for i, name in enumerate(schema.ROLES)}
-TRAIN, ROLLOUT, BOTH, NONE = (ROLE_CODES[r] for r in ("train", "rollout", "both", "none"))
-ROLE_BYTES = np.array([r.encode() for r in schema.ROLES], dtype="S8")
-NAME_CODES = {name: i for i, name in enumerate(schema.EVENT_NAMES)}
-NAME_BYTES = np.array([n.encode() for n in schema.EVENT_NAMES], dtype="S16")
 SAMPLE_ROWS_LIMIT = 5_000_000     # sim.samples=auto writes per-sample rows up to this many (220 MB)
-
-
-class EventBuffer:
-    """Timeline events as column arrays, turned into schema.EVENT_DTYPE rows in bulk."""
-
-    def __init__(self):
-        self.parts: list[tuple] = []
-        self.rows = 0
-
-    def add(self, iteration, ranks, roles, name, start, end, critical=schema.NOT_A_SWITCH, tokens=0, nbytes=0,
-            attrs=None):
-        """Events of `name` on `ranks` (arrays or scalars broadcast; `attrs`: one dict or a list
-        of dicts, one per rank, JSON-encoded as the runtime's recorder does)."""
-        ranks = np.asarray(ranks, dtype=np.int64)
-        n = len(ranks)
-        if n == 0:
-            return
-        if attrs is not None:
-            attrs = ([schema.encode_attrs(a) for a in attrs] if isinstance(attrs, list)
-                     else schema.encode_attrs(attrs))
-            attrs = np.broadcast_to(np.asarray(attrs, dtype=f"S{schema.ATTRS_BYTES}"), n)
-        self.parts.append((iteration, ranks, roles, NAME_CODES[name], np.broadcast_to(start, n),
-                           np.broadcast_to(end, n), critical, np.broadcast_to(tokens, n),
-                           np.broadcast_to(nbytes, n), attrs))
-        self.rows += n
-
-    def take(self) -> np.ndarray:
-        out = np.zeros(self.rows, dtype=schema.EVENT_DTYPE)
-        pos = 0
-        for it, ranks, roles, name, start, end, critical, tokens, nbytes, attrs in self.parts:
-            sl = slice(pos, pos + len(ranks))
-            out["iteration"][sl] = it
-            out["rank"][sl] = ranks
-            out["role"][sl] = ROLE_BYTES[roles]
-            out["name"][sl] = NAME_BYTES[name]
-            out["start"][sl] = start
-            out["end"][sl] = end
-            out["critical"][sl] = critical
-            out["tokens"][sl] = tokens
-            out["bytes"][sl] = nbytes
-            if attrs is not None:
-                out["attrs"][sl] = attrs
-            pos += len(ranks)
-        self.parts, self.rows = [], 0
-        return out
 
 
 class Simulator:
@@ -132,6 +83,7 @@ class Simulator:
         if getattr(self.policy, "start_reason", "") and setup.options.progress:
             print(f"[dynaresize-sim] {self.policy.start_reason}", flush=True)
         self.version = 0
+        self._roles_of = None                 # the (split, version) self._roles describes
         # a rank that left rollout keeps its released engine (resize.switch: parked) for its return
         self.parked = np.zeros(self.W, dtype=bool)
         self.release_mode = cfg.rollout.release
@@ -157,18 +109,27 @@ class Simulator:
         f = np.maximum(1.0 + self.noise * z, 0.05)
         return float(f[0]) if n is None else f
 
-    def roles(self) -> np.ndarray:
-        if self.colocated:
-            return np.full(self.W, BOTH, dtype=np.int64)
-        r = np.full(self.W, ROLLOUT, dtype=np.int64)
-        r[: self.k] = TRAIN
-        return r
+    def table(self) -> RoleTable:
+        """The role table now (the runtime's, roles.py): the split and its version."""
+        return (RoleTable.colocated(self.W, self.version) if self.colocated
+                else RoleTable.split(self.W, self.k, self.version))
 
-    def rollout_ranks(self) -> np.ndarray:
-        return np.arange(self.W) if self.colocated else np.arange(self.k, self.W)
+    def roles(self) -> np.ndarray:
+        """Each rank's role (timeline code) in the role table, as arrays; cached per table."""
+        if self._roles_of != (self.k, self.version):
+            table = self.table()
+            self._roles = np.array([ROLE_CODES[table.role_of(r).value] for r in range(self.W)], dtype=np.int64)
+            self._ranks = np.array(table.train_ranks()), np.array(table.rollout_ranks())
+            self._roles_of = (self.k, self.version)
+        return self._roles
 
     def train_ranks(self) -> np.ndarray:
-        return np.arange(self.W) if self.colocated else np.arange(self.k)
+        self.roles()
+        return self._ranks[0]
+
+    def rollout_ranks(self) -> np.ndarray:
+        self.roles()
+        return self._ranks[1]
 
     def exchanged_tokens(self, b: int | None) -> float:
         if b is None:
@@ -208,13 +169,8 @@ class Simulator:
             startup = cm.startup_time() * self._noise(self.W)
             self.events.add(-1, np.arange(self.W), np.full(self.W, NONE), "startup", 0.0, startup)
             self.clock = float(np.max(startup))
-            decision = None
-            last = self.iterations + self.lag
-            for it in range(last):
-                decision = self.iteration(it, decision)
-                buffered = self.events.rows + sum(len(x) for x in self.rows["samples"])
-                if (it + 1) % self.options.flush_every == 0 or it == last - 1 or buffered > 2_000_000:
-                    self.flush(writer)
+            self.writer = writer
+            run_iterations(self, self.iterations, self.lag)       # the runtime's recipe, priced
             wall = time.perf_counter() - wall0
             writer.close(complete=True, end_time=self.clock, sim_wall_s=wall,
                          groups_created_at_startup=0, groups_created_after_startup=0)
@@ -233,75 +189,100 @@ class Simulator:
         writer.flush()
         self.rows = {"iterations": [], "decisions": [], "samples": []}
 
-    def iteration(self, it: int, decision: Decision | None) -> Decision:
-        cm, W, ev = self.cm, self.W, self.events
-        T = self.clock
-        t = np.full(W, T)
-        critical = np.zeros(W)                    # critical switch time per rank
-        background: list[tuple] = []              # (ranks, name, start, end, bytes) to settle
-        pending: dict = {}                        # stage_in of new train ranks: rank -> (start, end)
-        if decision is not None and decision.moves:
-            if self.free_switch:
-                self.k, self.version = decision.to_train, self.version + 1
-            else:
-                self.switch(it, t, decision.to_train, critical, background, pending)
-        roles = self.roles()
-        generate = it if it < self.iterations else None
-        train = it - self.lag if it >= self.lag else None
+    # --- the stages of the recipe (loop.run_iterations), priced for every rank at once ----------
+    # Within an iteration: self.t (each rank's clock), self.critical (its critical switch time),
+    # self.background (switch ops beside the iteration, settled at its end) and self.pending
+    # (stage_in of new train ranks, waited for at the optimizer step).
+    first_iteration, pending_batch, pending_decision, end_warned = 0, None, None, False
 
-        # rollout
-        rollout_time, lengths = 0.0, None
-        if generate is not None:
-            shape = self.batch(generate)
-            rr = self.rollout_ranks()
-            R = len(rr)
-            assign = place_prompts(shape.prompt_lens, R)
-            dur = cm.rollout_times(assign, shape.prompt_lens, shape.response_lens, R) * self._noise(R)
-            tokens = np.bincount(assign, weights=shape.response_lens.sum(axis=1), minlength=R)
-            ev.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens)
-            t[rr] += dur
-            rollout_time = float(dur.max())
-            lengths = Lengths.of(shape)
-            if self.record_samples:
-                self.rows["samples"].append(self.sample_rows(it, generate, shape, rr[assign]))
-        if self.lag == 0:
-            self.exchange(it, t, roles, generate)
+    def begin_iteration(self, it: int) -> None:
+        self.t = np.full(self.W, self.clock)
+        self.critical = np.zeros(self.W)
+        self.background: list[tuple] = []           # (ranks, name, start, end, bytes)
+        self.pending: dict = {}                     # rank -> (start, end, bytes)
+        self.rollout_time, self.train_time, self.lengths = 0.0, 0.0, None
 
-        # training
-        train_time = 0.0
-        if train is not None:
-            train_time = self.train(it, t, roles, train, critical, pending)
-        if self.lag == 1:
-            self.exchange(it, t, roles, generate)
-        if train is not None and not self.colocated:
-            part = np.concatenate(([0], np.arange(self.k, W)))
-            dur = cm.weight_sync_time(cm.weight_bytes, len(part), multi_node=cm.multi_node(W)) * self._noise()
-            end = t[part].max() + dur
-            ev.add(it, part, roles[part], "weight_sync", t[part], end, nbytes=cm.weight_bytes)
-            t[part] = end
+    def switch(self, it: int, decision: Decision) -> None:
+        if self.free_switch:
+            self.k, self.version = decision.to_train, self.version + 1
+        else:
+            self.price_switch(it, self.t, decision.to_train, self.critical, self.background, self.pending)
 
-        # end of the iteration: settle background ops, gather, decide
-        for r, (start, end, nbytes) in pending.items():   # stage_in never waited for (no training)
-            background.append((np.array([r]), "stage_in", np.array([start]), np.array([end]), nbytes))
-        for ranks, name, start, end, nbytes in background:
-            self.settle(it, t, roles, ranks, name, start, end, nbytes, critical)
-        end_it = float(t.max()) + cm.iteration_overhead()
+    def rollout(self, it: int, b: int) -> int:
+        cm, t, roles = self.cm, self.t, self.roles()
+        shape = self.batch(b)
+        rr = self.rollout_ranks()
+        R = len(rr)
+        assign = place_prompts(shape.prompt_lens, R)
+        dur = cm.rollout_times(assign, shape.prompt_lens, shape.response_lens, R) * self._noise(R)
+        tokens = np.bincount(assign, weights=shape.response_lens.sum(axis=1), minlength=R)
+        self.events.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens)
+        t[rr] += dur
+        self.rollout_time = float(dur.max())
+        self.lengths = Lengths.of(shape)
+        if self.record_samples:
+            self.rows["samples"].append(self.sample_rows(it, b, shape, rr[assign]))
+        return b
+
+    def exchange(self, it: int, b: int | None) -> int | None:
+        dur = self.cm.exchange_time(self.exchanged_tokens(b), self.W) * self._noise()
+        end = self.t.max() + dur
+        self.events.add(it, np.arange(self.W), self.roles(), "exchange", self.t.copy(), end)
+        self.t[:] = end
+        return b
+
+    def train(self, it: int, b: int) -> None:
+        self.train_time = self.price_train(it, self.t, self.roles(), b, self.critical, self.pending)
+
+    def sync_weights(self, it: int) -> None:
+        if self.colocated:
+            return
+        cm, t = self.cm, self.t
+        part = np.concatenate(([0], np.arange(self.k, self.W)))
+        dur = cm.weight_sync_time(cm.weight_bytes, len(part), multi_node=cm.multi_node(self.W)) * self._noise()
+        end = t[part].max() + dur
+        self.events.add(it, part, self.roles()[part], "weight_sync", t[part], end, nbytes=cm.weight_bytes)
+        t[part] = end
+
+    def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision:
+        """Settle background ops, record the iteration, decide the next split (the runtime's
+        policy objects), write the timeline every sim.flush_every iterations."""
+        t, roles, T = self.t, self.roles(), self.clock
+        for r, (start, end, nbytes) in self.pending.items():   # stage_in never waited for (no training)
+            self.background.append((np.array([r]), "stage_in", np.array([start]), np.array([end]), nbytes))
+        for ranks, name, start, end, nbytes in self.background:
+            self.settle(it, t, roles, ranks, name, start, end, nbytes, self.critical)
+        end_it = float(t.max()) + self.cm.iteration_overhead()
         self.rows["iterations"].append({
             "iteration": it, "table_version": self.version, "train_ranks": self.k,
             "rollout_ranks": self.W if self.colocated else self.W - self.k, "start": T, "end": end_it,
-            "trained_batch": -1 if train is None else train,
-            "generated_batch": -1 if generate is None else generate})
-        stats = IterationStats(it, self.k, W, rollout_time, train_time, switch_time=float(critical.max()),
-                               generated_batch=-1 if generate is None else generate,
-                               trained_batch=-1 if train is None else train, lengths=lengths)
+            "trained_batch": -1 if trained is None else trained,
+            "generated_batch": -1 if generated is None else generated})
+        stats = IterationStats(it, self.k, self.W, self.rollout_time, self.train_time,
+                               switch_time=float(self.critical.max()),
+                               generated_batch=-1 if generated is None else generated,
+                               trained_batch=-1 if trained is None else trained, lengths=self.lengths)
         decision = self.policy.decide(stats)
         self.rows["decisions"].append(decision.row(self.version + int(decision.moves)))
         if self.options.progress:
             print(f"[dynaresize-sim] iter {it + 1:>5}/{self.iterations + self.lag}  split "
-                  f"{self.describe():>9}  rollout {rollout_time:8.2f}s  train {train_time:8.2f}s  "
+                  f"{self.describe():>9}  rollout {self.rollout_time:8.2f}s  train {self.train_time:8.2f}s  "
                   f"span {end_it - T:8.2f}s  {decision.reason}", flush=True)
         self.clock = end_it
+        buffered = self.events.rows + sum(len(x) for x in self.rows["samples"])
+        last = it == self.iterations + self.lag - 1
+        if (it + 1) % self.options.flush_every == 0 or last or buffered > 2_000_000:
+            self.flush(self.writer)
         return decision
+
+    def checkpoint_if_due(self, it: int, ready, decision: Decision) -> None:
+        """A simulation keeps no checkpoints (they change nothing it prices)."""
+
+    def requeue(self) -> None:
+        raise AssertionError("a simulation is never warned of its end")
+
+    def finish(self) -> None:
+        """The timeline is closed by run()."""
 
     def describe(self) -> str:
         return f"{self.W}C" if self.colocated else f"{self.k}T/{self.W - self.k}R"
@@ -318,12 +299,6 @@ class Simulator:
         out["response_len"] = shape.response_lens.ravel()
         out["length_cap"] = out["response_len"]         # the hidden length: every response reaches it
         return out
-
-    def exchange(self, it, t, roles, generate) -> None:
-        dur = self.cm.exchange_time(self.exchanged_tokens(generate), self.W) * self._noise()
-        end = t.max() + dur
-        self.events.add(it, np.arange(self.W), roles, "exchange", t.copy(), end)
-        t[:] = end
 
     def op(self, it, t, roles, ranks, name, dur, critical, nbytes=0, collective=False, attrs=None) -> None:
         """A critical switch op on `ranks`: each starts at its clock; a collective ends together."""
@@ -345,9 +320,9 @@ class Simulator:
             t[r] = np.maximum(t[r], end[late])
 
     # --- the switch: the runtime's plan (switchplan.plan), priced ---------------------------------
-    def switch(self, it, t, k2, critical, background, pending) -> None:
+    def price_switch(self, it, t, k2, critical, background, pending) -> None:
         cm = self.cm
-        old = RoleTable.split(self.W, self.k, self.version)
+        old = self.table()
         sp = switchplan.plan(old, old.with_split(k2), parked=frozenset(np.flatnonzero(self.parked).tolist()),
                              transport=switchplan.transport(self.cfg.staging.transport, self.hosts, max(self.k, k2)),
                              numel=cm.numel, release_mode=self.release_mode,
@@ -385,7 +360,7 @@ class Simulator:
         self.parked[list(sp.parked_after)] = True
 
     # --- training (Job.train: trainer.train_step, colocated release/restore) -------------------
-    def train(self, it, t, roles, b, critical, pending) -> float:
+    def price_train(self, it, t, roles, b, critical, pending) -> float:
         cm, ev = self.cm, self.events
         tr = self.train_ranks()
         K = len(tr)
@@ -443,7 +418,7 @@ def simulate(cfg, out_dir: str | os.PathLike | None = None, hardware=None, optio
     out_dir: the run folder (default: cfg.run.output_dir, else the current directory).
     """
     from ..config import JobConfig
-    from ..costmodel import job_profile
+    from ..hardware import job_profile
     from .config import SimOptions, prepare
 
     if isinstance(cfg, SimSetup):
@@ -458,17 +433,3 @@ def simulate(cfg, out_dir: str | os.PathLike | None = None, hardware=None, optio
         setup = prepare(cfg, hardware=hardware, options=options)
     sim = Simulator(setup, out_dir)
     return sim.run()
-
-
-def summary_line(path: str) -> str:
-    """One line about a simulated run, read back from its timeline (h5py only)."""
-    from ..timeline.reader import read_arrays
-    attrs, data = read_arrays(path, ("iterations", "events", "decisions"))
-    its, ev = data["iterations"], data["events"]
-    tokens = int(ev["tokens"][ev["name"] == b"rollout"].astype(np.int64).sum())
-    moves = int((data["decisions"]["action"] == b"move").sum())
-    wall = float(attrs.get("sim_wall_s", math.nan))
-    span = float(its["end"].max() - its["start"].min()) if len(its) else math.nan
-    return (f"{attrs['policy']}: {int(attrs['world_size'])} ranks, {len(its)} iterations, "
-            f"simulated {span:,.1f} s, {tokens / span if span > 0 else math.nan:,.0f} tok/s, "
-            f"{moves} resizes, wall {wall:.2f} s")

@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. run.iterations=50")
     args = p.parse_intermixed_args(argv)
     from ..config import ConfigError
-    from ..costmodel import ProfileError, available_profiles
+    from ..hardware import ProfileError, available_profiles
     workloads = [w for w in args.workloads.split(",") if w]
     wdir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf", "workload")
     known = sorted(f[:-5] for f in os.listdir(wdir) if f.endswith(".yaml"))
