@@ -16,7 +16,6 @@ import warnings
 from typing import Callable, Optional
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
@@ -26,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import CONF_DIR
 from .comm import in_mpi_job
-from .config import ConfigError, JobConfig, load_config, omegaconf_problem, to_yaml
+from .config import ConfigError, JobConfig, load_config, omegaconf_problem, register_schema, to_yaml
 
 
 def prepare(raw: DictConfig, run_dir: str) -> JobConfig:
@@ -72,8 +71,7 @@ def start(cfg: JobConfig) -> int:
 # (?s): Hydra's message starts with a newline, which `.` does not match otherwise.
 warnings.filterwarnings("ignore", message="(?s).*is validated against ConfigStore schema with the same name")
 
-# The typed schema is the base of conf/config.yaml: every field exists, with its type and default.
-ConfigStore.instance().store(name="dynaresize_schema", node=JobConfig)
+register_schema()
 
 
 

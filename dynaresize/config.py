@@ -174,6 +174,19 @@ class RunConfig:
 
 
 @dataclass
+class SimOptions:
+    """dynaresize-sim's options (`sim.*`); the runtime ignores them."""
+    noise: float = 0.0             # relative std of multiplicative noise on every simulated duration
+    prompts_per_rank: int = 0      # > 0: rollout.prompts_per_batch = prompts_per_rank x cluster.ranks
+    units: int = 0                 # > 0: policy.resize_unit = cluster.ranks / units
+    train_units: int = 0           # > 0: policy.train_ranks = train_units x policy.resize_unit
+    samples: str = "auto"          # one timeline row per sample: yes | no | auto (runs of up to 5M
+                                   # samples); without them the analysis counts tokens from rollout events
+    flush_every: int = 64          # iterations buffered between timeline writes
+    progress: bool = False         # print one line per iteration
+
+
+@dataclass
 class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -190,10 +203,18 @@ class JobConfig:
     hardware: Optional[dict[str, Any]] = None
     # Where rank 0 writes per-iteration metrics: console (the progress line), tensorboard, wandb.
     logger: list[str] = field(default_factory=lambda: ["console"])
+    sim: SimOptions = field(default_factory=SimOptions)
 
     @property
     def batch_size(self) -> int:
         return self.rollout.prompts_per_batch * self.rollout.samples_per_prompt
+
+
+def register_schema() -> None:
+    """The typed schema as `dynaresize_schema`, the base of conf/config.yaml, for both command lines
+    (dynaresize, dynaresize-sim): every field exists, with its type and default."""
+    from hydra.core.config_store import ConfigStore
+    ConfigStore.instance().store(name="dynaresize_schema", node=JobConfig)
 
 
 def load_config(raw: DictConfig | dict) -> JobConfig:

@@ -25,7 +25,7 @@ from .groups import GroupRegistry
 from .model import eos_token_ids, load_model, model_skeleton, prepare_checkpoint, save_model
 from .costmodel import CostModel
 from .hardware import job_profile
-from .policy import Decision, IterationStats, make_policy
+from .policy import POLICIES, Decision, IterationStats, make_policy
 from .prediction import Lengths
 from .resize import colocated_release, colocated_restore, switch
 from .rewards import Scorer
@@ -56,7 +56,8 @@ class Job:
         self.device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
         self.rec = Recorder(self.rank, ctrl.now)
         emulate = cfg.run.mode == "emulate"
-        model = CostModel.for_job(cfg, job_profile(cfg)) if emulate or cfg.policy.name == "dynamic" else None
+        model = CostModel.for_job(cfg, job_profile(cfg)) if emulate or POLICIES[cfg.policy.name].needs_cost_model \
+            else None
         self.cost = model if emulate else None     # emulation: stages last what the profile's device would take
         self.policy = make_policy(cfg, model)      # the dynamic policy prices splits with the same model
         self.status_path = status_path(self.run_dir, self.rank)

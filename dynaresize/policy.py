@@ -6,6 +6,7 @@ broadcast, and every decision, kept or moved, is recorded on the timeline with i
 """
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -290,14 +291,37 @@ class DynamicPolicy(Policy):
         self.measured = set(state["measured"])
 
 
-POLICIES = {p.name: p for p in (StaticPolicy, ColocatedPolicy, ScriptedPolicy, DynamicPolicy)}
+@dataclass(frozen=True)
+class PolicyKind:
+    """A policy as configuration and launchers see it, before one is built (`make_policy`)."""
+    name: str
+    factory: str                  # "module:Class", imported when the policy is built
+    chooses_start: bool           # picks its starting split (policy.train_ranks=auto allowed)
+    needs_cost_model: bool = False    # prices splits with the cost model
+    simulator_only: bool = False  # needs what only the simulator knows (future batches)
+    free_switch: bool = False     # its moves cost nothing (an upper bound, not a runnable policy)
 
 
-def make_policy(job, cost=None) -> Policy:
+# Every policy, the simulator's oracle included.
+POLICIES = {k.name: k for k in (
+    PolicyKind("static", "dynaresize.policy:StaticPolicy", chooses_start=False),
+    PolicyKind("colocated", "dynaresize.policy:ColocatedPolicy", chooses_start=True),
+    PolicyKind("scripted", "dynaresize.policy:ScriptedPolicy", chooses_start=False),
+    PolicyKind("dynamic", "dynaresize.policy:DynamicPolicy", chooses_start=True, needs_cost_model=True),
+    PolicyKind("oracle", "dynaresize.sim.oracle:OraclePolicy", chooses_start=True, simulator_only=True,
+               free_switch=True),
+)}
+
+
+def make_policy(job, cost=None, sim=None) -> Policy:
     """The policy of job config `job` (dynaresize.config.JobConfig). `cost`: the cost model that
-    prices splits (the dynamic policy's); default: the job's hardware profile."""
-    if cost is None and job.policy.name == "dynamic":
+    prices splits (default: the job's hardware profile, for policies that need one); `sim`: the
+    simulator, for a simulator-only policy."""
+    kind = POLICIES[job.policy.name]
+    if cost is None and kind.needs_cost_model:
         from .costmodel import CostModel
         from .hardware import job_profile
         cost = CostModel.for_job(job, job_profile(job))
-    return POLICIES[job.policy.name](job, cost)
+    module, _, name = kind.factory.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(job, cost, sim) if kind.simulator_only else cls(job, cost)

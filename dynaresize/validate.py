@@ -10,6 +10,7 @@ import math
 import os
 
 from .config import ConfigError, JobConfig
+from .policy import POLICIES
 from .shapes import max_response_cap, prompt_extra_tokens
 
 def validate(cfg: JobConfig) -> None:
@@ -177,12 +178,15 @@ def validate(cfg: JobConfig) -> None:
     need(t.grad_clip >= 0, "trainer.grad_clip", f"is {t.grad_clip}; it is the largest gradient norm kept",
          "use a positive norm, e.g. 1.0, or 0 to turn clipping off")
 
-    need(p.name in ("static", "colocated", "dynamic", "scripted") or (p.name == "oracle" and run.mode == "simulate"),
-         "policy.name", f"unknown policy {p.name!r}",
-         "use policy=static, colocated, dynamic or scripted (policy.name=oracle only in dynaresize-sim)")
+    kind = POLICIES.get(p.name)
+    runnable = [k.name for k in POLICIES.values() if not k.simulator_only]
+    only_sim = [k.name for k in POLICIES.values() if k.simulator_only]
+    need(kind is not None and (run.mode == "simulate" or not kind.simulator_only), "policy.name",
+         f"unknown policy {p.name!r}" if kind is None else f"{p.name} is a simulator-only policy",
+         f"use policy={', '.join(runnable)} (policy.name={', '.join(only_sim)} only in dynaresize-sim)")
     need(p.resize_unit >= 1 and c.ranks % max(p.resize_unit, 1) == 0, "policy.resize_unit",
          f"{p.resize_unit} does not divide cluster.ranks={c.ranks}", "use a divisor of the rank count")
-    chooses = p.name in ("dynamic", "oracle", "colocated")     # pick their own start (or use every rank)
+    chooses = kind is not None and kind.chooses_start     # picks its own start (or uses every rank)
     need(isinstance(p.train_ranks, int) or (p.train_ranks == "auto" and chooses), "policy.train_ranks",
          f"is {p.train_ranks!r}", "give a number of train ranks" + (" or auto" if chooses else ""))
     if p.name != "colocated" and c.ranks >= 2 and isinstance(p.train_ranks, int):
@@ -236,6 +240,13 @@ def validate(cfg: JobConfig) -> None:
         except (ProfileError, ValueError, TypeError) as e:
             errors.append(f"  hardware: {e}. Fix: correct the profile (see conf/hardware/h100.yaml).")
     need(run.checkpoint_every >= 0, "run.checkpoint_every", f"is {run.checkpoint_every}", "use 0 or more")
+
+    o = cfg.sim
+    need(o.noise >= 0, "sim.noise", f"is {o.noise}", "use 0 or a small positive relative std")
+    need(o.samples in ("auto", "yes", "no"), "sim.samples", f"unknown {o.samples!r}", "use auto, yes or no")
+    need(o.flush_every >= 1, "sim.flush_every", f"is {o.flush_every}", "use 1 or more")
+    for name in ("prompts_per_rank", "units", "train_units"):
+        need(getattr(o, name) >= 0, f"sim.{name}", f"is {getattr(o, name)}", "use 0 (off) or more")
 
     if errors:
         raise ConfigError("invalid configuration:\n" + "\n".join(errors))

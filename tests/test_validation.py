@@ -11,10 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from hydra.core.config_store import ConfigStore
 
 from conftest import ROOT
-from dynaresize.config import JobConfig, load_config
+from dynaresize.config import load_config
 
 TIMEOUT = 60
 
@@ -73,6 +72,8 @@ CASES = {
     "schedule_too_long": (["policy=scripted", "policy.schedule=[1,2,3,1,2]", "run.iterations=3"],
                           "policy.schedule", ["run.iterations + run.max_lag"]),
     "schedule_not_scripted": (["policy=static", "policy.schedule=[1,2]"], "policy.schedule", ["scripted"]),
+    "simulator_only_policy": (["policy.name=oracle"], "policy.name",
+                              ["simulator-only", "policy=static, colocated, scripted, dynamic", "dynaresize-sim"]),
     "fp16_on_cpu": (["model.dtype=float16"], "model.dtype", ["cluster.device=cpu"]),
     "cuda_without_gpu": (["cluster.device=cuda"], "cluster.device", ["cluster.device=cpu"]),
     "hf_positions": (["model.path={tmp}/hf32"], "model.path", ["max_position_embeddings"]),
@@ -80,7 +81,7 @@ CASES = {
 }
 
 
-@pytest.mark.fault('typos in keys, wrong types, out-of-range values (betas, eps, weight_decay, grad_clip, growth, schedules, fp16 on CPU, CUDA without a GPU, a model with too few positions, a scratch path that is a file)',
+@pytest.mark.fault('typos in keys, wrong types, out-of-range values (betas, eps, weight_decay, grad_clip, growth, schedules, a simulator-only policy, fp16 on CPU, CUDA without a GPU, a model with too few positions, a scratch path that is a file)',
                    'exit 2 before any rank starts, naming the field and the fix')
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_configuration_exits_2_before_ranks_start(case, tmp_path, hf_checkpoint):
@@ -110,18 +111,7 @@ def test_sweep_refuses_a_bad_point_before_the_first_job(tmp_path):
     assert not sweep.exists()
 
 
-@pytest.fixture
-def runtime_schema():
-    """The runtime's schema under `dynaresize_schema` (dynaresize-sim's tests replace it with theirs)."""
-    cs = ConfigStore.instance()
-    saved = cs.repo.get("dynaresize_schema.yaml")
-    cs.store(name="dynaresize_schema", node=JobConfig)
-    yield
-    if saved is not None:
-        cs.repo["dynaresize_schema.yaml"] = saved
-
-
-def test_valid_values_at_the_edges_pass(tmp_path, hf_checkpoint, runtime_schema):
+def test_valid_values_at_the_edges_pass(tmp_path, hf_checkpoint):
     """The checks are not over-eager: edge values compose and validate, and Hydra's own commands
     (--cfg job, --help) still work."""
     from hydra import compose, initialize_config_dir

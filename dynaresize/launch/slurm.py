@@ -23,6 +23,13 @@ from ..timeline.schema import TimelineError
 from .failure import rank_status
 
 
+# States in which a job may still run (a requeued job is PENDING again), and the ends of an
+# attempt after which Slurm runs the job again.
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+                 "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT"}
+REQUEUED_STATES = ("NODE_FAIL", "PREEMPTED", "REQUEUED")
+
+
 class RankTask:
     """What every Slurm task runs: this rank of the job `cfg` (pickled by submitit). It has no
     `checkpoint()`: Slurm's warning signal is DynaResize's (preemption.py), not submitit's."""
@@ -143,11 +150,6 @@ def follow(job, cfg: JobConfig, poll_s: float = 2.0) -> int:
     return 0
 
 
-# States in which a job may still run (a requeued job is PENDING again).
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
-                 "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT"}
-
-
 def live_state(job_id: str) -> str | None:
     """The job's state as slurmctld holds it now (`scontrol show job --oneliner`), or None once
     slurmctld has forgotten the job."""
@@ -178,9 +180,6 @@ def explain_attempt(attempt: dict, cfg: JobConfig) -> str:
             text += f": node {node} failed ({reason})" + (f" while {doing}" if doing else "")
     return text + "; Slurm requeues it and it resumes from the last checkpoint" \
         if attempt["state"] in REQUEUED_STATES else text
-
-
-REQUEUED_STATES = ("NODE_FAIL", "PREEMPTED", "REQUEUED")
 
 
 def expand_hostlist(hostlist: str) -> list[str]:

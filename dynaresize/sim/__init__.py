@@ -8,7 +8,8 @@ Command line: `python -m dynaresize.sim.cli` (console script `dynaresize-sim`).
 """
 from __future__ import annotations
 
-from .config import SimOptions, SimSetup, compose, prepare, setup_from_overrides
+from ..config import SimOptions
+from .config import SimSetup, compose, prepare, setup_from_overrides
 from .core import Simulator, simulate
 
 __all__ = ["simulate", "Simulator", "SimOptions", "SimSetup", "prepare", "compose", "setup_from_overrides"]

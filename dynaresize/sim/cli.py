@@ -5,7 +5,7 @@
     python -m dynaresize.sim.cli -m +experiment=seed_comparison cluster.ranks=64 policy=static 'sim.train_units=range(1,32)'
     dynaresize-sim suite --ranks 64 256 --hardware h100 h200      # the comparison suite (sim/suite.py)
 
-It composes conf/ (the runtime's schema plus `hardware` and `sim`, see dynaresize.sim.config),
+It composes conf/ (the runtime's schema; `hardware` and `sim` are read here, see dynaresize.sim.config),
 runs the discrete-event simulation (dynaresize.sim.core) and writes RUN_DIR/timeline.h5 in the
 runtime's schema (file attribute mode="simulate"): `python -m analysis.cli RUN_DIR` and
 `python -m analysis.cli compare MULTIRUN_DIR` read it unchanged. Exit status 2 for a bad config.
@@ -24,7 +24,8 @@ from omegaconf import DictConfig
 
 from .. import CONF_DIR
 from ..config import ConfigError
-from .config import prepare, register_schema
+from ..config import register_schema
+from .config import prepare
 from .core import Simulator
 
 register_schema()

@@ -23,6 +23,7 @@ config (noise included, seeded by run.seed).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -34,7 +35,7 @@ from ..costmodel import CostModel
 from .. import switchplan
 from ..loop import run_iterations
 from ..placement import place_prompts
-from ..policy import Decision, IterationStats, make_policy
+from ..policy import POLICIES, Decision, IterationStats, make_policy
 from ..prediction import IterationModel, Lengths, Prediction
 from ..roles import RoleTable
 from ..shapes import BatchShape, batch_shape
@@ -43,7 +44,6 @@ from ..timeline.reader import TIMELINE_FILE
 from ..timeline.writer import TimelineWriter
 from .config import SimSetup
 from .events import NONE, ROLE_CODES, EventBuffer
-from .oracle import OraclePolicy
 
 SAMPLE_ROWS_LIMIT = 5_000_000     # sim.samples=auto writes per-sample rows up to this many (220 MB)
 
@@ -52,7 +52,7 @@ class Simulator:
     def __init__(self, setup: SimSetup, out_dir: str | os.PathLike | None = None):
         cfg = copy.deepcopy(setup.cfg)           # never change the caller's config
         cfg.run.mode = "simulate"
-        self.setup = setup = SimSetup(cfg, setup.profile, setup.options)
+        self.setup = setup = SimSetup(cfg, setup.profile)
         self.cfg = cfg
         self.options = setup.options
         self.cm = CostModel.for_job(cfg, setup.profile)
@@ -73,12 +73,12 @@ class Simulator:
         self._predictions: dict[tuple[int, int], Prediction] = {}
         self.model = IterationModel(self.cm, self.W, self.lag, self.mbs, cfg.policy.resize_unit)
 
-        name = cfg.policy.name
-        self.colocated = name == "colocated"
-        self.free_switch = name == "oracle"
-        self.policy = OraclePolicy(cfg, self) if name == "oracle" else make_policy(cfg, self.cm)
+        kind = POLICIES[cfg.policy.name]
+        self.colocated = cfg.policy.name == "colocated"
+        self.free_switch = kind.free_switch
+        self.policy = make_policy(cfg, self.cm, sim=self)
         self.k = self.W if self.colocated else self.policy.initial_train_ranks()
-        if name in ("oracle", "dynamic"):    # the config records the split the run started with
+        if kind.chooses_start and not self.colocated:   # the config records the split the run started with
             cfg.policy.train_ranks = self.k
         if getattr(self.policy, "start_reason", "") and setup.options.progress:
             print(f"[dynaresize-sim] {self.policy.start_reason}", flush=True)
@@ -419,16 +419,16 @@ def simulate(cfg, out_dir: str | os.PathLike | None = None, hardware=None, optio
     """
     from ..config import JobConfig
     from ..hardware import job_profile
-    from .config import SimOptions, prepare
+    from .config import prepare
 
     if isinstance(cfg, SimSetup):
         setup = cfg
         if hardware is not None:
-            setup = SimSetup(setup.cfg, job_profile(setup.cfg, hardware), setup.options)
+            setup = SimSetup(setup.cfg, job_profile(setup.cfg, hardware))
         if options is not None:
-            setup = SimSetup(setup.cfg, setup.profile, options)
+            setup = SimSetup(dataclasses.replace(setup.cfg, sim=options), setup.profile)
     elif isinstance(cfg, JobConfig):
-        setup = SimSetup(cfg, job_profile(cfg, hardware), options or SimOptions())
+        setup = SimSetup(cfg if options is None else dataclasses.replace(cfg, sim=options), job_profile(cfg, hardware))
     else:
         setup = prepare(cfg, hardware=hardware, options=options)
     sim = Simulator(setup, out_dir)

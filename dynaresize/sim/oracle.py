@@ -16,8 +16,8 @@ from ..policy import Decision, IterationStats, Policy
 class OraclePolicy(Policy):
     name = "oracle"
 
-    def __init__(self, job, sim):
-        super().__init__(job)
+    def __init__(self, job, cost, sim):
+        super().__init__(job, cost)
         self.sim = sim
         self.total = sim.iterations + self.max_lag
 
