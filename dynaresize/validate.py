@@ -13,6 +13,7 @@ from .config import ConfigError, JobConfig
 from .policy import POLICIES
 from .shapes import max_response_cap, prompt_extra_tokens
 
+
 def validate(cfg: JobConfig) -> None:
     """Check values that types cannot; raise one ConfigError listing every problem."""
     errors: list[str] = []
