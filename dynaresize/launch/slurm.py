@@ -125,15 +125,16 @@ def follow(job, cfg: JobConfig, poll_s: float = 2.0) -> int:
     total = cfg.run.iterations + cfg.run.max_lag
     last, reported = None, 0
     while True:
-        state = live_state(job.job_id)
+        state, restarts = live_state(job.job_id)
         # Slurm's own state: submitit takes a node failure or a requeue for the job's end.
         done = state not in ACTIVE_STATES if state is not None else job.done(force_check=True)
-        history = attempts(job.job_id)
-        ended = history if done else history[:-1]
-        for attempt in ended[reported:]:
-            if attempt["state"] != "COMPLETED":
-                print(f"[dynaresize] job {job.job_id}: {explain_attempt(attempt, cfg)}", flush=True)
-        reported = max(reported, len(ended))
+        if done or reported < restarts:          # accounting is asked only when an attempt ended
+            history = attempts(job.job_id)
+            ended = history if done else history[:-1]
+            for attempt in ended[reported:]:
+                if attempt["state"] != "COMPLETED":
+                    print(f"[dynaresize] job {job.job_id}: {explain_attempt(attempt, cfg)}", flush=True)
+            reported = max(reported, len(ended))
         if done:
             break
         line = f"[dynaresize] job {job.job_id}: {state}, iteration {iterations_done(timeline)}/{total}"
@@ -150,13 +151,15 @@ def follow(job, cfg: JobConfig, poll_s: float = 2.0) -> int:
     return 0
 
 
-def live_state(job_id: str) -> str | None:
-    """The job's state as slurmctld holds it now (`scontrol show job --oneliner`), or None once
-    slurmctld has forgotten the job."""
+def live_state(job_id: str) -> tuple[str | None, int]:
+    """The job's state and restart count as slurmctld holds them now (`scontrol show job
+    --oneliner`); (None, 0) once slurmctld has forgotten the job."""
     out = subprocess.run(["scontrol", "show", "job", "--oneliner", str(job_id)], capture_output=True, text=True,
                          timeout=30)
     fields = dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
-    return fields.get("JobState") if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None, 0
+    return fields.get("JobState"), int(fields.get("Restarts", "0") or 0)
 
 
 def attempts(job_id: str) -> list[dict]:
