@@ -86,11 +86,11 @@ def run_benchmark(ctrl, overrides: list[str], repeats: int, splits: tuple[int, i
         for name, reuse, critical in VARIANTS:
             if registries[reuse] is None:
                 registries[reuse] = GroupRegistry(job.world, cfg.policy.resize_unit, reuse=False)
-            job.registry = registries[reuse]
-            job.cfg = dataclasses.replace(cfg, staging=dataclasses.replace(cfg.staging, critical=critical))
+            registry, staging = registries[reuse], dataclasses.replace(cfg.staging, critical=critical)
             for target in (splits[1], splits[0]):
                 job.rec.take()
-                job.switch(it, Decision(it, job.table.num_train, target, "benchmark"))
+                job.switch(it, Decision(it, job.table.num_train, target, "benchmark"), registry=registry,
+                           staging=staging)
                 job.train(it, batch)                    # the useful work background ops overlap
                 job.settle_background()
                 events = ctrl.gather(job.rec.take())
@@ -100,7 +100,7 @@ def run_benchmark(ctrl, overrides: list[str], repeats: int, splits: tuple[int, i
                     m = switch_metrics([e for part in events for e in part])
                     disk = raw_disk_mb_s(os.path.dirname(job.staging_dir) or ".")   # interleaved, same noise
                     rows.append({"variant": name, "repeat": rep, "to_train": target,
-                                 "groups_created": job.registry.created_after_startup,
+                                 "groups_created": registry.created_after_startup,
                                  "raw_disk_mb_s": disk, **m})
                 ctrl.barrier()
                 it += 1

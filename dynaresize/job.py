@@ -67,7 +67,6 @@ class Job:
         make_private_dir(self.staging_dir)
         self.staged_files: list[str] = []
         self.background_ops: list = []
-        colocated = cfg.policy.name == "colocated"
 
         self.end_warned = False          # Slurm warned of the job's end, agreed by all ranks
         self.last_checkpoint: str | None = None
@@ -83,7 +82,7 @@ class Job:
                 table = resume.table
                 self.policy.load_state(resume.policy_state)
             else:
-                table = (RoleTable.colocated(self.world) if colocated
+                table = (RoleTable.colocated(self.world) if POLICIES[cfg.policy.name].colocated
                          else RoleTable.split(self.world, self.policy.initial_train_ranks()))
             self.registry.ensure(table.num_train)
             self.layout = FlatLayout.of(model_skeleton(self.model_dir))
@@ -194,8 +193,9 @@ class Job:
         self._t_begin = self.ctrl.now()
         self.set_status(f"iteration {it} ({self.table.describe()}, {self.role})")
 
-    def switch(self, it: int, decision: Decision) -> None:
-        self.state = switch(self, it, decision)
+    def switch(self, it: int, decision: Decision, **options) -> None:
+        """Run the switch plan to `decision`'s split (options: resize.switch's registry, staging)."""
+        self.state = switch(self, it, decision, **options)
 
     def rollout(self, it: int, batch: int) -> list[Sample]:
         """Generate this rank's share of batch `batch`: whole prompt groups, placed by prompt length

@@ -300,13 +300,15 @@ class PolicyKind:
     needs_cost_model: bool = False    # prices splits with the cost model
     simulator_only: bool = False  # needs what only the simulator knows (future batches)
     free_switch: bool = False     # its moves cost nothing (an upper bound, not a runnable policy)
+    colocated: bool = False       # every rank generates, then every rank trains (no split)
+    scripted: bool = False        # follows policy.schedule (the only kind that reads it)
 
 
 # Every policy, the simulator's oracle included.
 POLICIES = {k.name: k for k in (
     PolicyKind("static", "dynaresize.policy:StaticPolicy", chooses_start=False),
-    PolicyKind("colocated", "dynaresize.policy:ColocatedPolicy", chooses_start=True),
-    PolicyKind("scripted", "dynaresize.policy:ScriptedPolicy", chooses_start=False),
+    PolicyKind("colocated", "dynaresize.policy:ColocatedPolicy", chooses_start=True, colocated=True),
+    PolicyKind("scripted", "dynaresize.policy:ScriptedPolicy", chooses_start=False, scripted=True),
     PolicyKind("dynamic", "dynaresize.policy:DynamicPolicy", chooses_start=True, needs_cost_model=True),
     PolicyKind("oracle", "dynaresize.sim.oracle:OraclePolicy", chooses_start=True, simulator_only=True,
                free_switch=True),

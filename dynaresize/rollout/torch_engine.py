@@ -27,6 +27,11 @@ class TorchEngine:
         self.model = None
         self.restore()
 
+    @classmethod
+    def from_config(cls, cfg, checkpoint: str, dtype: str, device: str, seed: int) -> "TorchEngine":
+        """make_engine's constructor (the seed is per sample: GroupRequest.seeds)."""
+        return cls(checkpoint, dtype=dtype, device=device, ignore_eos=cfg.ignore_eos)
+
     def restore(self) -> None:
         if self.model is None:
             self.model = load_model(self.checkpoint, self.dtype, self.device).eval()

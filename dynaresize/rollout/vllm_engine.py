@@ -73,6 +73,11 @@ class VLLMEngine:
         self._names: list[str] | None = None
         self._start()
 
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, checkpoint: str, dtype: str, device: str, seed: int) -> "VLLMEngine":
+        """make_engine's constructor."""
+        return cls(cfg, checkpoint, dtype=dtype, device=device, seed=seed)
+
     # --- life cycle ----------------------------------------------------------------------------
     def _start(self) -> None:
         from vllm import LLM

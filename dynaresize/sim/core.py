@@ -74,7 +74,7 @@ class Simulator:
         self.model = IterationModel(self.cm, self.W, self.lag, self.mbs, cfg.policy.resize_unit)
 
         kind = POLICIES[cfg.policy.name]
-        self.colocated = cfg.policy.name == "colocated"
+        self.colocated = kind.colocated
         self.free_switch = kind.free_switch
         self.policy = make_policy(cfg, self.cm, sim=self)
         self.k = self.W if self.colocated else self.policy.initial_train_ranks()
