@@ -7,7 +7,8 @@ InfiniBand bandwidth, NVMe bandwidth, engine start times; MFU/MBU assumptions st
 (parameters, layers, hidden size, KV heads) is an input: a GPU profile can price a 7B model while
 the job itself runs the tiny model.
 
-This module needs PyYAML only (no torch, no MPI).
+This module needs PyYAML only (no torch, no MPI). Over 400 lines because a profile's fields, each
+with its unit and source, are most of it; they are read one by one against conf/hardware/*.yaml.
 """
 from __future__ import annotations
 

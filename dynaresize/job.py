@@ -5,6 +5,9 @@ generates, a sharded trainer while it trains, a parked engine; start-up sets it 
 (resize.switch: the state and the plan in, the next state out) changes it. Stages record timed
 events; at the end of each iteration rank 0 gathers them, appends them to the timeline, asks the
 policy for the next split and broadcasts the decision.
+
+About 430 lines: the runtime's half of loop.Stages, one method per stage, so that it reads beside
+the simulator's (sim/core.py) stage by stage; the mechanisms themselves live in their modules.
 """
 from __future__ import annotations
 

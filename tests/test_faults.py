@@ -11,7 +11,8 @@ the test names, so what it was doing is known.
 timeline that plain h5py.File(path, "r") opens, holding every iteration the run reported done, and
 dynaresize-analyze reads it; a writer killed while it holds the file is repaired.
 
-The four jobs start together (module fixture) so the file lasts about as long as the slowest one.
+The four jobs start together (module fixture) so the file lasts about as long as the slowest one;
+that shared fixture is why the campaign's cases stay in one file of about 500 lines.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ template, a node failure, warnings and the requeue limit with exact resume, and 
 that cannot fit."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -123,8 +124,8 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
     # Iterations long enough (~1 s) that each interruption lands mid-run.
     common = ["run.iterations=24", "policy=scripted", "policy.schedule=[2,2,1,1,3,3,2]",
               "workload.length_median=48"]
-    reference = tmp_path / "reference"
-    run_cli(reference, *common)
+    reference = tmp_path / "reference"       # the uninterrupted run, beside the Slurm job (which mostly waits)
+    uninterrupted = concurrent.futures.ThreadPoolExecutor(1).submit(run_cli, reference, *common)
 
     run = tmp_path / "slurm"
     cmd = [sys.executable, "-m", "dynaresize.cli", f"hydra.run.dir={run}", *common, *TWO_NODES,
@@ -165,6 +166,7 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
     assert len(samples) == 24 * 32 and len(np.unique(keys)) == len(keys)
     log = open(next((run / "slurm" / job).glob("*_0_log.out"))).read()
     assert "requeueing (restart 2 of at most 2)" in log
+    uninterrupted.result()
     assert_same_rl(run, reference, exact=True)
 
 

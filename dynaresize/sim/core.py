@@ -19,6 +19,9 @@ at their hidden length, as the runtime's engines with rollout.ignore_eos). Place
 runtime's (dynaresize.placement): it never reads a response's length. The output is a timeline in
 the runtime's schema, written with TimelineWriter, so `python -m analysis.cli` reads it unchanged. Deterministic: a function of the
 config (noise included, seeded by run.seed).
+
+Over 400 lines on purpose: it is the simulator's half of loop.Stages, one method per stage of the
+recipe, and reads best beside the runtime's (job.py) stage by stage.
 """
 from __future__ import annotations
 
