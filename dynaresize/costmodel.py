@@ -67,13 +67,21 @@ def continuous_steps(assign, response_lens, slots, ranks: int) -> np.ndarray:
     starts = np.concatenate(([0], np.cumsum(groups)))
     for r in queued.tolist():
         seqs = L[order[starts[r]:starts[r + 1]]].ravel().tolist()
-        free = seqs[:slots[r]]                    # the slots' free times
-        heapq.heapify(free)
-        replace = heapq.heapreplace
-        for length in seqs[slots[r]:]:
-            replace(free, free[0] + length)       # the earliest free slot takes the next sequence
-        steps[r] = max(free)
+        steps[r] = max(s + n for s, n in zip(list_schedule(seqs, int(slots[r])), seqs))
     return steps
+
+
+def list_schedule(lengths: list[int], slots: int) -> list[int]:
+    """The decode step at which each sequence starts when `slots` run at once and the next waiting
+    sequence (in order) takes the slot that frees first: continuous batching's admission."""
+    free = lengths[:slots]                        # the slots' free times (a heap)
+    heapq.heapify(free)
+    starts = [0] * len(free)
+    replace = heapq.heapreplace
+    for length in lengths[slots:]:
+        starts.append(free[0])
+        replace(free, free[0] + length)
+    return starts
 
 
 def _log2_steps(ranks) -> np.ndarray | float:

@@ -107,12 +107,17 @@ class IterationModel:
                   rollout_scale: float = 1.0, train_scale: float = 1.0) -> Prediction:
         """One iteration with k train ranks that generates `generate` and trains on `train` (either
         may be None); the stage times are multiplied by the given corrections."""
-        cm, W = self.cm, self.world
         roll = self.rollout(generate, k) * rollout_scale if generate is not None else 0.0
-        trn = sync = 0.0
-        if train is not None:
-            trn = self.train(train, k) * train_scale
-            sync = cm.weight_sync_time(cm.weight_bytes, 1 + W - k, multi_node=cm.multi_node(W))
+        trn = self.train(train, k) * train_scale if train is not None else 0.0
+        return self.compose(roll, trn, generate, train, k)
+
+    def compose(self, roll: float, trn: float, generate: Lengths | None, train: Lengths | None,
+                k: int) -> Prediction:
+        """An iteration of k train ranks from its stage times: the stages overlap (max_lag 1) or
+        follow each other (max_lag 0), then the exchange, the weight sync and the overhead."""
+        cm, W = self.cm, self.world
+        sync = cm.weight_sync_time(cm.weight_bytes, 1 + W - k, multi_node=cm.multi_node(W)) if train is not None \
+            else 0.0
         tokens = 0.0 if generate is None else float(generate.prompt_lens.sum() * generate.response_lens.shape[1]
                                                     + generate.response_lens.sum())
         stages = max(roll, trn) if self.lag >= 1 else roll + trn

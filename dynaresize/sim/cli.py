@@ -61,10 +61,14 @@ def simulate_job(raw: DictConfig) -> None:
 
 
 def main() -> None:
-    """`dynaresize-sim suite ...` runs the comparison suite; anything else is one Hydra (multi)run."""
+    """`dynaresize-sim suite ...` runs the comparison suite, `dynaresize-sim inside ...` the
+    inside-iteration estimate (sim/inside.py); anything else is one Hydra (multi)run."""
     if len(sys.argv) > 1 and sys.argv[1] == "suite":
         from .suite import main as suite_main
         sys.exit(suite_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "inside":
+        from .inside import main as inside_main
+        sys.exit(inside_main(sys.argv[2:]))
     from ..cli import check_command_line
     problem = check_command_line(sys.argv[1:], validate=prepare)   # exit 2 for typos, types and bad sweeps
     if problem:

@@ -262,12 +262,27 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
     return df
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dynaresize-sim suite", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def cell_arguments(p: argparse.ArgumentParser) -> None:
+    """The cells of a comparison (hardware x ranks x workloads), as `suite` and `inside` take them."""
     p.add_argument("--ranks", type=int, nargs="+", default=[64], help="allocation sizes (default 64)")
     p.add_argument("--hardware", nargs="+", default=["h100"], help="profiles of conf/hardware/ (default h100)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated presets of conf/workload/")
+
+
+def unknown_cells(args) -> str | None:
+    """What is wrong with the cells of `args` (cell_arguments), with the fix; None if nothing."""
+    from .. import CONF_DIR
+    from ..hardware import available_profiles
+    known = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "workload")) if f.endswith(".yaml"))
+    bad = [w for w in args.workloads.split(",") if w and w not in known]
+    bad += [h for h in args.hardware if h not in available_profiles()]
+    return f"unknown {bad}. Fix: workloads from {known}, hardware from {available_profiles()}" if bad else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dynaresize-sim suite", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    cell_arguments(p)
     p.add_argument("--out", default="suite", help="output folder (default ./suite)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations in parallel")
     p.add_argument("--keep", choices=("table", "all", "none"), default="table",
@@ -275,15 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. run.iterations=50")
     args = p.parse_intermixed_args(argv)
     from ..config import ConfigError
-    from ..hardware import ProfileError, available_profiles
-    workloads = [w for w in args.workloads.split(",") if w]
-    wdir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf", "workload")
-    known = sorted(f[:-5] for f in os.listdir(wdir) if f.endswith(".yaml"))
-    bad = [w for w in workloads if w not in known] + [h for h in args.hardware if h not in available_profiles()]
-    if bad:
-        print(f"dynaresize-sim suite: unknown {bad}. Fix: workloads from {known}, hardware from "
-              f"{available_profiles()}", file=sys.stderr)
+    from ..hardware import ProfileError
+    problem = unknown_cells(args)
+    if problem:
+        print(f"dynaresize-sim suite: {problem}", file=sys.stderr)
         return 2
+    workloads = [w for w in args.workloads.split(",") if w]
     try:
         run_suite(os.path.abspath(args.out), args.ranks, args.hardware, workloads, args.overrides, args.jobs,
                   args.keep)
