@@ -74,6 +74,8 @@ CASES = {
     "schedule_not_scripted": (["policy=static", "policy.schedule=[1,2]"], "policy.schedule", ["scripted"]),
     "simulator_only_policy": (["policy.name=oracle"], "policy.name",
                               ["simulator-only", "policy=static, colocated, scripted, dynamic", "dynaresize-sim"]),
+    "unknown_engine": (["rollout.engine=nope"], "rollout.engine", ["use one of torch, vllm"]),
+    "colocated_overlap": (["policy=colocated", "run.max_lag=1"], "run.max_lag", ["policy=colocated"]),
     "fp16_on_cpu": (["model.dtype=float16"], "model.dtype", ["cluster.device=cpu"]),
     "cuda_without_gpu": (["cluster.device=cuda"], "cluster.device", ["cluster.device=cpu"]),
     "hf_positions": (["model.path={tmp}/hf32"], "model.path", ["max_position_embeddings"]),
