@@ -73,7 +73,7 @@ def test_helpers_share_the_train_work_from_when_they_are_free():
     assert inside.train_with_helpers(model, batch, 2, np.array([t])) == pytest.approx((work + t) / 3 + sync, rel=1e-12)
 
 
-def test_estimate_lies_between_the_oracle_and_the_bound():
+def test_estimate_lies_between_the_oracle_and_the_bound(tmp_path):
     spec = compose_base("stationary", "h100", 64, ["run.iterations=3"])
     grid = (inside.Mechanism(2, 0.25, True), inside.Mechanism(8, 0.5, True))
     row = inside.estimate(spec, grid)
@@ -90,6 +90,12 @@ def test_estimate_lies_between_the_oracle_and_the_bound():
     its = [(b[0], None), (b[1], b[0]), (b[2], b[1]), (None, b[2])]
     oracle = sum(min(model.iteration(g, t, k).total for k in model.candidates) for g, t in its)
     assert row["oracle_s"] == pytest.approx(oracle, rel=1e-12)
+    # ... and the simulator's oracle run takes as long, iteration by iteration (within 1 %)
+    import analysis
+    from dynaresize.sim.core import Simulator
+    from dynaresize.sim.suite import run_specs
+    tl = analysis.load_timeline(Simulator(prepare(run_specs(spec)["oracle"]), str(tmp_path)).run())
+    assert float(analysis.iteration_metrics(tl)["span_s"].sum()) == pytest.approx(oracle, rel=0.01)
 
 
 def test_command_writes_the_table_and_refuses_a_sequential_profile(tmp_path):
