@@ -174,7 +174,7 @@ def foresight_iteration(model: IterationModel, generate: Lengths | None, train: 
     return model.compose(roll, trn, generate, train, k)
 
 
-def best_split(model: IterationModel, price, around: int | None = None, reach: int = 3) -> tuple[int, float]:
+def fastest_split(model: IterationModel, price, around: int | None = None, reach: int = 3) -> tuple[int, float]:
     """(split, time) of the shortest iteration, price(k) -> Prediction: over every candidate, or,
     from candidate split `around`, over `reach` candidates on each side, widened while the best
     lies at the window's edge (the iteration time of a split is unimodal in practice)."""
@@ -219,13 +219,13 @@ def estimate(spec: dict, grid=GRID, log=None) -> dict:
 
     n = cfg.run.iterations
     batches = [(lengths(it) if it < n else None, lengths(it - lag) if it >= lag else None) for it in range(n + lag)]
-    oracle = [best_split(model, lambda k: model.iteration(gen, trn, k)) for gen, trn in batches]
+    oracle = [fastest_split(model, lambda k: model.iteration(gen, trn, k)) for gen, trn in batches]
     totals = {"oracle": sum(t for _, t in oracle),
-              "foresight": sum(best_split(model, lambda k: foresight_iteration(model, gen, trn, k), around=k0)[1]
+              "foresight": sum(fastest_split(model, lambda k: foresight_iteration(model, gen, trn, k), around=k0)[1]
                                for (gen, trn), (k0, _) in zip(batches, oracle))}
 
     def with_mechanism(m: Mechanism) -> float:
-        return sum(best_split(model, lambda k: inside_iteration(model, gen, trn, k, m), around=k0)[1]
+        return sum(fastest_split(model, lambda k: inside_iteration(model, gen, trn, k, m), around=k0)[1]
                    for (gen, trn), (k0, _) in zip(batches, oracle))
     for i, m in enumerate(grid):
         totals[m] = with_mechanism(m)
@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             for ranks in args.ranks:
                 for w in [w for w in args.workloads.split(",") if w]:
                     t0 = time.perf_counter()
-                    row = estimate(compose_base(w, hw, ranks, args.overrides))
+                    row = estimate(compose_base(w, hw, ranks, args.overrides),
+                                   log=lambda line, w=w: print(f"[inside]   {hw} {ranks} {w}: {line}", flush=True))
                     x = {k: row["oracle_s"] / row[k] for k in ("foresight_s", "inside_s", "inside_prefill_s", "bound_s")}
                     lines.append(f"| {hw} | {ranks} | `{w}` | {x['foresight_s']:.3f} | {x['inside_s']:.3f} "
                                  f"| {x['inside_prefill_s']:.3f} | {x['bound_s']:.3f} | {gap_closed(row, 'foresight_s'):.0%} "
