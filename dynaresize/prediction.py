@@ -31,7 +31,7 @@ from .shapes import batch_shape, generated_prompts, response_cap, task_index
 EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
 NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
 TREND_WINDOW = 10     # batches of a task whose mean lengths give its growth trend
-ENSEMBLE = 4          # recent batches of a task a forecast replays (their predictions are averaged)
+ENSEMBLE = 16         # recent batches of a task a forecast replays (their predictions are averaged)
 _PRIOR_STREAM = 0x70726972    # "prir": the configured workload's sample batch (not a real batch)
 
 
@@ -202,12 +202,21 @@ class LengthForecast:
             self.trend.setdefault(task, deque(maxlen=TREND_WINDOW)).append((b, math.log(mean)))
 
     def growth(self, task: int) -> float:
-        """The task's log growth of mean length per batch (0 until three batches are seen)."""
+        """The task's log growth of mean length per batch: the least-squares slope over its last
+        TREND_WINDOW batches (0 until three are seen), kept from four batches on only where it
+        stands out of their noise (over two standard errors). A stationary task's slope is noise;
+        grown over the horizon it made the forecast, and the chosen split, wander."""
         points = self.trend.get(task, ())
         if len(points) < 3:
             return 0.0
         x, y = np.array(points).T
-        return float(np.polyfit(x, y, 1)[0])
+        slope = float(np.polyfit(x, y, 1)[0])
+        if len(points) < 4:
+            return slope
+        dx = x - x.mean()
+        resid = y - y.mean() - slope * dx
+        stderr = math.sqrt(float(resid @ resid) / (len(points) - 2) / float(dx @ dx))
+        return slope if abs(slope) > 2.0 * stderr else 0.0
 
     def prior(self, b: int) -> list[Lengths]:
         """ENSEMBLE samples of the configured workload at batch b (start-up, tasks not seen yet)."""
