@@ -38,6 +38,7 @@ STAGE_COLORS = {
     "train": "#ff7f0e",
     "weight_sync": "#2ca02c",
     "exchange": "#8c8c8c",
+    "steal": "#a65200",       # train work on a rank outside the train group (work stealing)
     "other": "#8c564b",       # schema.OTHER: startup, decide, checkpoint
 }
 ROLE_TINTS = {"rollout": "#d5e5f4", "train": "#fde2c4", "both": "#d7efd1", "none": "#eeeeee"}

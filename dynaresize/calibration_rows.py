@@ -5,6 +5,7 @@ switch operations and the iteration overhead, the durations whose median is the 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -132,7 +133,9 @@ def train_iterations(runs: list[Run]) -> list[tuple[np.ndarray, np.ndarray, int,
             part = ev[ev["iteration"] == it]
             part = part[np.argsort(part["rank"])]
             k = len(part)
-            mb = np.array([len(range(i, n_mb, k)) for i in range(k)], dtype=np.float64)
+            counts = [json.loads(a or b"{}").get("micro_batches") for a in part["attrs"]]
+            mb = (np.array(counts, dtype=np.float64) if None not in counts   # as recorded
+                  else np.array([len(range(i, n_mb, k)) for i in range(k)], dtype=np.float64))  # older files
             out.append((mb, part["tokens"].astype(np.float64), k, float(_dur(part).max())))
     return out
 

@@ -91,14 +91,28 @@ class ControlPlane:
         if device == "cuda":
             torch.cuda.set_device(self.local_rank)
         self.hostnames = self.allgather(socket.gethostname())
+        host, port = self._free_address()
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.size,
+                                timeout=timedelta(seconds=timeout_s))
+        return backend
+
+    def make_store(self, timeout_s: float = 300):
+        """A key-value store served by a thread of rank 0 (torch.distributed.TCPStore), every rank
+        a client: an atomic `add` there needs no other rank to take part, as a claim of work
+        stealing needs (a collective would wait for the busiest rank). Collective to create."""
+        import torch.distributed as dist
+
+        host, port = self._free_address()
+        return dist.TCPStore(host, port, self.size, is_master=self.rank == 0,
+                             timeout=timedelta(seconds=timeout_s))
+
+    def _free_address(self) -> tuple[str, int]:
+        """A free port on rank 0, at the address the other ranks reach it by (broadcast)."""
         address = None
         if self.rank == 0:
             host = socket.gethostname() if len(set(self.hostnames)) > 1 else "127.0.0.1"
             with socket.socket() as s:
                 s.bind(("", 0))
-                address = f"tcp://{socket.gethostbyname(host)}:{s.getsockname()[1]}"
-        address = self.bcast(address)
-        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.size,
-                                timeout=timedelta(seconds=timeout_s))
-        return backend
+                address = socket.gethostbyname(host), s.getsockname()[1]
+        return self.bcast(address)
 

@@ -136,6 +136,9 @@ class TrainerConfig:
     # Recompute the old (behaviour) log-probabilities with the trainer's weights before the update,
     # as verl's old_log_prob pass does, instead of taking the rollout engine's.
     recompute_logprobs: bool = False
+    # Work stealing (stealing.py): a rollout rank that has generated its share computes gradients of
+    # micro-batches the train ranks have not taken yet; it keeps a float32 copy of the weights.
+    work_stealing: bool = False
 
 
 @dataclass

@@ -270,6 +270,27 @@ class CostModel:
             gather = steps * c.latency_s + per_byte * (k - 1) / k * 4 * self.numel
         return ((c.base_s + reduce) * self.scale, c.per_inverse_rank_s / k * self.scale, gather * self.scale)
 
+    def helper_sums_time(self, helpers: int, train_ranks: int, multi_node: bool) -> float:
+        """Work stealing: the gradient sums (grad_reduce_bytes a parameter) of `helpers` helpers on
+        their way to the train ranks, each cut into the train ranks' ranges, one to each: a train
+        rank receives `helpers` slices of 1/k of the vector, a helper sends its whole vector."""
+        if helpers <= 0:
+            return 0.0
+        c, k = self.coef.train, max(int(train_ranks), 1)
+        per_byte = c.per_byte_inter_s if multi_node else c.per_byte_intra_s
+        nbytes = self.grad_reduce_bytes * self.numel
+        receive = helpers * (c.latency_s + per_byte * nbytes / k)
+        return max(receive, k * c.latency_s + per_byte * nbytes) * self.scale
+
+    def helper_engine_times(self, release_mode: str) -> tuple[float, float]:
+        """Work stealing: (release, wake) of a helper's engine around its stolen micro-batches. On
+        a GPU profile (continuous batching: vLLM, which holds gpu_memory_utilization of the GPU)
+        the engine must sleep while the rank trains; the CPU engine holds no GPU memory."""
+        if not self.continuous:
+            return 0.0, 0.0
+        return (self.switch_op_time("release", release_mode=release_mode),
+                self.switch_op_time("engine_start", restore=True, release_mode=release_mode))
+
     def train_sync_time(self, train_ranks: int) -> float:
         return float(sum(self.train_sync_parts(train_ranks)))
 

@@ -6,7 +6,7 @@ generates, a sharded trainer while it trains, a parked engine; start-up sets it 
 events; at the end of each iteration rank 0 gathers them, appends them to the timeline, asks the
 policy for the next split and broadcasts the decision.
 
-About 430 lines: the runtime's half of loop.Stages, one method per stage, so that it reads beside
+About 500 lines: the runtime's half of loop.Stages, one method per stage, so that it reads beside
 the simulator's (sim/core.py) stage by stage; the mechanisms themselves live in their modules.
 """
 from __future__ import annotations
@@ -30,17 +30,19 @@ from .costmodel import CostModel
 from .hardware import job_profile
 from .policy import POLICIES, Decision, IterationStats, make_policy
 from .prediction import Lengths
-from .resize import colocated_release, colocated_restore, switch
+from .resize import colocated_release, colocated_restore, inject_fault, switch
 from .rewards import Scorer
 from .roles import RoleTable
 from .placement import place_prompts, placement_lists
-from .rollout.base import GroupRequest, make_engine
+from .rollout.base import ENGINES, GroupRequest, make_engine
+from .stealing import MicroBatchQueue, queue_order
 from .staging import RUN_ID_ENV, job_staging_dir, make_private_dir, new_run_id, remove_dir
 from .launch.failure import status_path, write_status
 from .timeline.reader import TIMELINE_FILE
 from .timeline.recorder import Recorder
+from .timeline.schema import BACKGROUND
 from .timeline.writer import TimelineWriter
-from .trainer import ShardedTrainer
+from .trainer import ShardedTrainer, micro_batch_tokens
 from .types import RankState, Sample
 from .workload import digest, make_task, sample_seed
 
@@ -59,10 +61,12 @@ class Job:
         self.device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
         self.rec = Recorder(self.rank, ctrl.now)
         emulate = cfg.run.mode == "emulate"
-        model = CostModel.for_job(cfg, job_profile(cfg)) if emulate or POLICIES[cfg.policy.name].needs_cost_model \
-            else None
+        # the cost model: emulation's prices, the dynamic policy's predictions, work stealing's decision to join
+        model = CostModel.for_job(cfg, job_profile(cfg)) \
+            if emulate or POLICIES[cfg.policy.name].needs_cost_model or cfg.trainer.work_stealing else None
         self.cost = model if emulate else None     # emulation: stages last what the profile's device would take
         self.policy = make_policy(cfg, model)      # the dynamic policy prices splits with the same model
+        self.prices = model
         self.status_path = status_path(self.run_dir, self.rank)
         # The run id binds staged files to this job (a leftover of another run is never read as ours).
         self.run_id = ctrl.bcast((os.environ.get(RUN_ID_ENV) or new_run_id()) if self.rank == 0 else None)
@@ -70,6 +74,9 @@ class Job:
         make_private_dir(self.staging_dir)
         self.staged_files: list[str] = []
         self.background_ops: list = []
+        # work stealing: the claims' store, and a rollout rank's copy of the weights to help with
+        self.store = ctrl.make_store() if cfg.trainer.work_stealing else None
+        self.helper: ShardedTrainer | None = None
 
         self.end_warned = False          # Slurm warned of the job's end, agreed by all ranks
         self.last_checkpoint: str | None = None
@@ -103,6 +110,8 @@ class Job:
                     if resume else None
                 trainer.join(self.registry.get("train", table.num_train), table.train_ranks(), self.rank, shard)
             self.state = RankState(table, engine, trainer)
+            if self.store is not None and trainer is None:
+                self.helper = self.new_trainer(weights)
             ev["attrs"]["groups"] = self.registry.creations
 
         self.first_iteration = resume.iteration + 1 if resume else 0
@@ -198,7 +207,14 @@ class Job:
 
     def switch(self, it: int, decision: Decision, **options) -> None:
         """Run the switch plan to `decision`'s split (options: resize.switch's registry, staging)."""
+        trainer = self.state.trainer
         self.state = switch(self, it, decision, **options)
+        if self.store is not None:        # work stealing: a rank leaving training keeps its weights
+            if self.table.trains(self.rank):
+                self.helper = None
+            elif self.helper is None:
+                trainer.leave()
+                self.helper = trainer
 
     def rollout(self, it: int, batch: int) -> list[Sample]:
         """Generate this rank's share of batch `batch`: whole prompt groups, placed by prompt length
@@ -237,27 +253,88 @@ class Job:
         return batch
 
     def train(self, it: int, batch: list[Sample]) -> None:
-        if not self.table.trains(self.rank) or not batch:
+        if not batch:
             return
         # Over-sampled batches (workload.oversample): the trainer takes the first prompt groups.
         batch = [s for s in batch if s.index < self.cfg.batch_size]
+        if not self.table.trains(self.rank):
+            if self.helper is not None:
+                self.steal(it, batch)
+            return
         if self.table.colocated_mode:
             colocated_release(self, it)
         self.set_status(f"train (iteration {it}, batch {batch[0].batch}, {self.table.describe()})")
         with self.rec.span(it, "train", self.role, batch=batch[0].batch) as ev:
-            grad, info = self.trainer.compute_gradient(batch)        # forward, backward, all-reduce
+            device_s = MicroBatchClock(ev["start"], self.cost, self.ctrl.now)
+            grad, info = self.trainer.compute_gradient(batch, self._queue(batch), each=device_s)  # + all-reduce
             if self.cost:
                 before, step, after = self.cost.train_sync_parts(self.table.num_train)
-                self.emulate(ev, float(self.cost.train_compute_time(info["tokens"], info["micro_batches"])) + before)
+                sums = self.cost.helper_sums_time(len(info["helpers"]), self.table.num_train,
+                                                  self.cost.multi_node(self.world))
+                self.emulate(ev, device_s.total + sums + before)
             self.trainer.resolve_pending()     # a resize's stage-in of this rank's new range, if still reading
             ready = self.ctrl.now()
             self.trainer.apply_gradient(grad)                        # optimizer step, all-gather
             ev["tokens"] = info["tokens"]
-            ev["attrs"].update(loss=round(info["loss"], 6), grad_norm=round(info["grad_norm"], 6))
+            ev["attrs"].update(loss=round(info["loss"], 6), grad_norm=round(info["grad_norm"], 6),
+                               micro_batches=info["micro_batches"])
+            if info["helpers"]:
+                ev["attrs"]["helpers"] = info["helpers"]
             if self.cost:                      # the step and the gather last their price after the wait
                 self.emulate(ev, ready - ev["start"] + step + after)
         if self.table.colocated_mode:
             colocated_restore(self, it)
+
+    def steal(self, it: int, batch: list[Sample]) -> None:
+        """Work stealing on a rollout rank done generating: if what is left of the train step in
+        progress is worth it (stealing.worth_joining), compute micro-batches no train rank has
+        taken yet (one `steal` event each) and send their gradient sum to the train ranks (each
+        its range)."""
+        b, queue, k = batch[0].batch, self._queue(batch), self.table.num_train
+        micro_batches, _ = self.helper.micro_batches(batch)
+        tokens = [micro_batch_tokens(mb) for mb in micro_batches]
+        prices = self.prices.train_compute_time(np.asarray(tokens)[queue_order(tokens)], 1)
+        send_s = self.prices.helper_sums_time(1, k, self.prices.multi_node(self.world))
+        sleep_s, wake_s = self.prices.helper_engine_times(self.cfg.rollout.release)
+        if not queue.join(prices, k, send_s + sleep_s + wake_s):
+            return                                    # too little left to pay for joining
+        self.set_status(f"steal (iteration {it}, batch {b}, {self.table.describe()})")
+        self._helper_engine(it, "release", sleep_s)
+        device_s = MicroBatchClock(self.ctrl.now(), self.cost, self.ctrl.now)
+        last = [device_s.start]
+
+        def each(i: int, tokens: int) -> None:
+            inject_fault(self.rank, "steal")          # tests: a helper dies holding a claimed micro-batch
+            device_s(i, tokens)
+            end = self.ctrl.now()
+            self.rec.record(it, "steal", self.role, last[0], end, tokens, batch=b, micro_batch=i)
+            last[0] = end
+
+        self.helper.help_step(batch, queue, self.table.train_ranks(), each)
+        if self.cost and last[0] > device_s.start:     # emulation: the send of the sum lasts its price
+            time.sleep(max(last[0] + send_s - self.ctrl.now(), 0.0))
+        self._helper_engine(it, "engine_start", wake_s)
+
+    def _helper_engine(self, it: int, op: str, price_s: float) -> None:
+        """A helper's engine around its stolen micro-batches: vLLM sleeps (`release`) and wakes
+        (`engine_start`; the weight sync loads the new weights after) so that the train step has
+        the GPU's memory; emulated, each lasts its price. Beside the train ranks' step: background."""
+        frees_memory = ENGINES[self.cfg.rollout.engine].manages_gpu_memory
+        if not frees_memory and not (self.cost and price_s > 0):
+            return
+        attrs = {"restored": True} if op == "engine_start" else {"mode": self.cfg.rollout.release}
+        with self.rec.span(it, op, self.role, critical=BACKGROUND, **attrs) as ev:
+            if frees_memory:
+                self.engine.release() if op == "release" else self.engine.restore()
+            if self.cost:
+                self.emulate(ev, price_s)
+
+    def _queue(self, batch: list[Sample]) -> MicroBatchQueue | None:
+        """The shared queue of this train step's micro-batches (None without work stealing)."""
+        if self.store is None:
+            return None
+        size = -(-len(batch) // self.cfg.trainer.micro_batch_size)
+        return MicroBatchQueue(self.store, batch[0].batch, size, self.rank)
 
     def sync_weights(self, it: int) -> None:
         """Broadcast the updated weights from train rank 0 to every rollout rank."""
@@ -269,7 +346,8 @@ class Job:
         self.set_status(f"weight_sync (iteration {it}, {self.table.describe()}, "
                         f"{'sending' if self.rank == 0 else 'receiving'})")
         with self.rec.span(it, "weight_sync", self.role) as ev:
-            flat = self.trainer.flat if self.rank == 0 else torch.empty(self.layout.numel, device=self.device)
+            flat = (self.trainer.flat if self.rank == 0 else self.helper.flat if self.helper is not None
+                    else torch.empty(self.layout.numel, device=self.device))
             dist.broadcast(flat, src=0, group=group)
             if self.engine is not None:
                 self.engine.load_weights(self.layout.views(flat))
@@ -412,6 +490,20 @@ class Job:
               f"sync {m['time/weight_sync']:5.2f}s  bubble {m['bubble/all']:4.0%}  "
               f"reward {m.get('reward/mean', float('nan')):.3f}  {m['throughput/tokens_per_s']:7.0f} tok/s",
               flush=True)
+
+
+class MicroBatchClock:
+    """Called after each micro-batch of a train step: under run.mode=emulate it sleeps until the
+    micro-batches so far have lasted the profile's price from `start` (`total`: that price);
+    otherwise it only counts."""
+
+    def __init__(self, start: float, cost: CostModel | None, now):
+        self.start, self.cost, self.now, self.total = start, cost, now, 0.0
+
+    def __call__(self, index: int, tokens: int) -> None:
+        if self.cost is not None:
+            self.total += float(self.cost.train_compute_time(tokens, 1))
+            time.sleep(max(self.start + self.total - self.now(), 0.0))
 
 
 def batch_lengths(samples: list[Sample], rollout) -> Lengths:

@@ -140,7 +140,7 @@ class DynamicPolicy(Policy):
         if cost is None:
             raise ValueError("the dynamic policy prices splits with a cost model: give make_policy one")
         self.model = IterationModel(cost, self.world, self.max_lag, job.trainer.micro_batch_size,
-                                    self.cfg.resize_unit)
+                                    self.cfg.resize_unit, job.trainer.work_stealing, job.rollout.release)
         r = job.rollout
         self.forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
         self.iterations = job.run.iterations
@@ -216,7 +216,11 @@ class DynamicPolicy(Policy):
                 self._update("rollout", s.rollout_time / self.model.rollout(s.lengths, s.train_ranks))
         trained = self.forecast.generated.get(s.trained_batch)
         if trained is not None and s.train_time > 0 and s.switch_time == 0:     # a switch's stage-in distorts it
-            self._update("train", s.train_time / self.model.train(trained, s.train_ranks))
+            # the train stage as predicted for this iteration (with work stealing, helpers free when
+            # their rollout of this iteration's batch ends), before the train correction
+            generated = s.lengths if s.generated_batch >= 0 else None
+            predicted = self.model.iteration(generated, trained, s.train_ranks, self.scale["rollout"]).train
+            self._update("train", s.train_time / predicted)
 
     def _update(self, key: str, ratio: float) -> None:
         """EMA of a measured / predicted ratio; the first measurement replaces the prior (1)."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from .costmodel import CostModel
 from .placement import assign_micro_batches, place_prompts
+from .stealing import claim_schedule, queue_order
 from .shapes import batch_shape, generated_prompts, response_cap, task_index
 
 EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
@@ -76,8 +77,11 @@ class Prediction:
 class IterationModel:
     """Prices iterations and switches of a job of `world` ranks (see the module docstring)."""
 
-    def __init__(self, cm: CostModel, world: int, max_lag: int, micro_batch_size: int, resize_unit: int = 1):
+    def __init__(self, cm: CostModel, world: int, max_lag: int, micro_batch_size: int, resize_unit: int = 1,
+                 work_stealing: bool = False, release_mode: str = "sleep"):
         self.cm, self.world, self.lag, self.mbs = cm, world, max_lag, micro_batch_size
+        self.work_stealing = work_stealing
+        self.engine_times = cm.helper_engine_times(release_mode)   # a helper's engine: (sleep, wake)
         unit = max(resize_unit, 1)
         self.candidates = list(range(unit, world - unit + 1, unit))
         # The train group's collectives leave the node above gpus_per_node ranks: train time jumps
@@ -86,29 +90,74 @@ class IterationModel:
         self.node_split = inside[-1] if cm.gpus_per_node > 0 and inside else None
 
     def rollout(self, batch: Lengths, k: int) -> float:
+        return float(self.rollout_times(batch, k).max())
+
+    def rollout_times(self, batch: Lengths, k: int) -> np.ndarray:
+        """Each rollout rank's time on the split of k train ranks."""
         R = self.world - k
         assign = place_prompts(batch.prompt_lens, R)
-        return float(self.cm.rollout_times(assign, batch.prompt_lens, batch.response_lens, R).max())
+        return self.cm.rollout_times(assign, batch.prompt_lens, batch.response_lens, R)
+
+    def micro_batch_tokens(self, batch: Lengths) -> np.ndarray:
+        """The tokens of each micro-batch of the trained samples, in index order (as the trainer cuts them)."""
+        n = batch.trained_prompts
+        tok = (batch.prompt_lens[:n, None] + batch.response_lens[:n]).ravel().astype(np.float64)
+        return np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
 
     def train_work(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, micro-batches) of each of k train ranks: the trained samples in index order,
         cut into micro-batches, spread by placement.assign_micro_batches (as the trainer does)."""
-        n = batch.trained_prompts
-        tok = (batch.prompt_lens[:n, None] + batch.response_lens[:n]).ravel().astype(np.float64)
-        mb_tok = np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
+        mb_tok = self.micro_batch_tokens(batch)
         owner = assign_micro_batches(mb_tok, k)
         return np.bincount(owner, weights=mb_tok, minlength=k), np.bincount(owner, minlength=k).astype(np.float64)
 
-    def train(self, batch: Lengths, k: int) -> float:
-        tok, mb = self.train_work(batch, k)
-        return float(np.max(self.cm.train_compute_time(tok, mb))) + self.cm.train_sync_time(k)
+    def train(self, batch: Lengths, k: int, helpers_free: np.ndarray | None = None) -> float:
+        """The train stage on k train ranks. With `helpers_free` (work stealing: when each rollout
+        rank is free to help, in seconds from the stage's start) every worker claims micro-batches
+        from the queue, and the helpers' sums reach the train ranks before the all-reduce."""
+        if helpers_free is None:
+            tok, mb = self.train_work(batch, k)
+            return float(np.max(self.cm.train_compute_time(tok, mb))) + self.cm.train_sync_time(k)
+        owner, start, dur, _, _ = self.claims(batch, k, np.concatenate((np.zeros(k), helpers_free)))
+        compute = float((start + dur).max()) if len(dur) else 0.0
+        return compute + self.helper_sums(owner, k) + self.cm.train_sync_time(k)
+
+    def claims(self, batch: Lengths, k: int, ready: np.ndarray, scale: float = 1.0):
+        """Work stealing's queue priced (stealing.claim_schedule): workers free from `ready` (the k
+        train ranks first, then the helpers, which join if it pays and start once their engine
+        sleeps) take the micro-batches in order (stealing.queue_order), each lasting its compute
+        time x `scale`. Returns (in queue order: the worker of each micro-batch, its start, its
+        duration, its tokens; the helpers that joined)."""
+        tokens = self.micro_batch_tokens(batch)
+        order = queue_order(tokens)
+        dur = self.cm.train_compute_time(tokens[order], 1) * scale
+        owner, start, _, joined = claim_schedule(dur, ready, k, self.join_time(k) * scale,
+                                                 self.engine_times[0] * scale)
+        return owner, start, dur, tokens[order], joined
+
+    def join_time(self, k: int) -> float:
+        """What one helper costs the train step of k train ranks (stealing.worth_joining): its
+        gradient sum, and its engine's sleep and wake."""
+        return self.cm.helper_sums_time(1, k, self.cm.multi_node(self.world)) + sum(self.engine_times)
+
+    def helper_sums(self, owner: np.ndarray, k: int) -> float:
+        """The time the helpers' gradient sums take to reach the k train ranks."""
+        helpers = len(np.unique(owner[owner >= k]))
+        return self.cm.helper_sums_time(helpers, k, self.cm.multi_node(self.world))
 
     def iteration(self, generate: Lengths | None, train: Lengths | None, k: int,
                   rollout_scale: float = 1.0, train_scale: float = 1.0) -> Prediction:
         """One iteration with k train ranks that generates `generate` and trains on `train` (either
         may be None); the stage times are multiplied by the given corrections."""
-        roll = self.rollout(generate, k) * rollout_scale if generate is not None else 0.0
-        trn = self.train(train, k) * train_scale if train is not None else 0.0
+        times = self.rollout_times(generate, k) * rollout_scale if generate is not None else None
+        roll = float(times.max()) if times is not None else 0.0
+        if train is None:
+            trn = 0.0
+        elif self.work_stealing:       # helpers free when their rollout ends (max_lag 1) or at once
+            free = times if self.lag >= 1 and times is not None else np.zeros(self.world - k)
+            trn = self.train(train, k, free / train_scale) * train_scale
+        else:
+            trn = self.train(train, k) * train_scale
         return self.compose(roll, trn, generate, train, k)
 
     def compose(self, roll: float, trn: float, generate: Lengths | None, train: Lengths | None,

@@ -4,9 +4,12 @@ Every train rank holds the full model (its parameters are views into one flat ve
 optimizer state of one contiguous range of that vector only. A step:
 1. the batch, sorted by sample index, is cut into micro-batches of `micro_batch_size` samples
    (fixed composition), spread over the train ranks by token count
-   (`placement.assign_micro_batches`); each rank runs forward/backward on its own and accumulates
-   gradients into a flat buffer in `grad_reduce_dtype` (with `recompute_logprobs`, the PPO ratio
-   uses old log-probs recomputed from the rank's weights instead of the rollout engine's);
+   (`placement.assign_micro_batches`), or, with work stealing, taken from a shared queue by the
+   train ranks and by rollout ranks that have finished generating (stealing.py; `help_step`: a
+   helper's sum goes to the train ranks, each its range); each rank runs forward/backward on its
+   own and accumulates gradients into a flat buffer in `grad_reduce_dtype` (with
+   `recompute_logprobs`, the PPO ratio uses old log-probs recomputed from the rank's weights
+   instead of the rollout engine's);
 2. the train group sums the buffers (all-reduce; float64 by default, so the sum does not depend on
    how many ranks contributed), and the global gradient norm is clipped;
 3. each rank steps `torch.optim.AdamW` on its own range, then the ranges are all-gathered back
@@ -23,6 +26,7 @@ from .config import TrainerConfig
 from .flat import FlatLayout, bind_model_to_flat, shard_range
 from .model import PAD_ID, trainable_parameters
 from .placement import assign_micro_batches
+from .stealing import queue_order
 from .types import Sample, ShardState
 
 REDUCE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -106,6 +110,12 @@ class ShardedTrainer:
             self.optimizer.state[master] = {"step": torch.tensor(float(s.step)), "exp_avg": s.exp_avg,
                                             "exp_avg_sq": s.exp_avg_sq}
 
+    def leave(self) -> None:
+        """Leave the train group (its optimizer state staged out): the model and its weights stay,
+        e.g. for a rollout rank to compute stolen micro-batches with (stealing.py)."""
+        self.group, self.group_ranks, self.index = None, [0], 0
+        self.shard = self.optimizer = self._pending = None
+
     def export_shard(self) -> ShardState:
         """The optimizer state of this rank's range, e.g. to stage it out when leaving training."""
         self.resolve_pending()
@@ -132,19 +142,62 @@ class ShardedTrainer:
         owners = assign_micro_batches([micro_batch_tokens(mb) for mb in micro_batches], len(self.group_ranks))
         return micro_batches, owners.tolist()
 
-    def compute_gradient(self, samples: list[Sample]) -> tuple[torch.Tensor, dict]:
-        """The clipped gradient of the whole batch, summed over the train group (same on every rank)."""
+    def compute_gradient(self, samples: list[Sample], queue=None, each=None) -> tuple[torch.Tensor, dict]:
+        """The clipped gradient of the whole batch, summed over the train group (same on every rank).
+
+        `queue` (stealing.MicroBatchQueue): take micro-batches from the step's shared queue instead
+        of the fixed assignment, and add to this rank's range the sums of the helpers that took some.
+        `each(index, tokens)` is called after each micro-batch (the timeline, emulation)."""
         micro_batches, owners = self.micro_batches(samples)
-        mine = [mb for mb, owner in zip(micro_batches, owners) if owner == self.index]
+        taken = self._claims(micro_batches, queue) if queue is not None else \
+            (i for i, o in enumerate(owners) if o == self.index)
+        grad, info = self._accumulate(samples, micro_batches, taken, each)
+        helpers = queue.helpers(self.group_ranks) if queue is not None else []
+        if helpers:                        # each helper sends this rank its range of its sum
+            lo, hi = self.my_range()
+            parts = [torch.empty(hi - lo, dtype=grad.dtype, device=grad.device) for _ in helpers]
+            for work in [dist.irecv(part, src=h) for part, h in zip(parts, helpers)]:
+                work.wait()
+            for part in parts:             # in rank order, whichever arrived first
+                grad[lo:hi] += part
+        if len(self.group_ranks) > 1:
+            dist.all_reduce(grad, group=self.group)
+        grad_norm = float(grad.norm())
+        if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
+            grad.mul_(self.cfg.grad_clip / (grad_norm + 1e-6))
+        return grad.to(torch.float32), {**info, "grad_norm": grad_norm, "helpers": helpers}
+
+    def help_step(self, samples: list[Sample], queue, train_ranks: list[int], each=None) -> dict:
+        """Work stealing, on a rank outside the train group: the gradients of the micro-batches it
+        takes from `queue`, summed; if it took any, each train rank (global ranks `train_ranks`)
+        gets its range of the sum (the ranges of the optimizer shards)."""
+        micro_batches, _ = self.micro_batches(samples)
+        grad, info = self._accumulate(samples, micro_batches, self._claims(micro_batches, queue), each)
+        if info["micro_batches"]:
+            k = len(train_ranks)
+            ranges = [shard_range(self.layout.numel, k, j) for j in range(k)]
+            for work in [dist.isend(grad[lo:hi], dst=r) for (lo, hi), r in zip(ranges, train_ranks)]:
+                work.wait()
+        return info
+
+    @staticmethod
+    def _claims(micro_batches: list[list[Sample]], queue):
+        """The micro-batches (indices) this rank takes from `queue`, one at a time."""
+        order = queue_order([micro_batch_tokens(mb) for mb in micro_batches])
+        return (int(order[position]) for position in queue)
+
+    def _accumulate(self, samples: list[Sample], micro_batches: list[list[Sample]], taken, each):
+        """Forward/backward of the micro-batches `taken` (indices), gradients summed into a flat
+        buffer in grad_reduce_dtype; the loss is normalised by the whole batch's tokens."""
         advantages = group_advantages(samples)
         total_tokens = sum(len(s.response) for s in samples)
-        # verl's old_log_prob pass: behaviour log-probs from the weights about to be updated, not
-        # the engine's. Each depends on its micro-batch and the weights only (split-invariant).
-        old_logps = [self._old_logprobs(mb) if self.cfg.recompute_logprobs else None for mb in mine]
-
         grad = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
-        loss_sum, trained_tokens = 0.0, 0
-        for mb, old_logp in zip(mine, old_logps):
+        loss_sum, trained_tokens, count = 0.0, 0, 0
+        for i in taken:
+            mb = micro_batches[i]
+            # verl's old_log_prob pass: behaviour log-probs from the weights about to be updated, not
+            # the engine's. Each depends on its micro-batch and the weights only (split-invariant).
+            old_logp = self._old_logprobs(mb) if self.cfg.recompute_logprobs else None
             loss = self._micro_batch_loss(mb, advantages, total_tokens, old_logp)
             loss.backward()
             for (_, view), (_, p) in zip(self.layout.views(grad), trainable_parameters(self.model)):
@@ -153,14 +206,10 @@ class ShardedTrainer:
                     p.grad = None
             loss_sum += float(loss.detach())
             trained_tokens += micro_batch_tokens(mb)
-
-        if len(self.group_ranks) > 1:
-            dist.all_reduce(grad, group=self.group)
-        grad_norm = float(grad.norm())
-        if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
-            grad.mul_(self.cfg.grad_clip / (grad_norm + 1e-6))
-        return grad.to(torch.float32), {"loss": loss_sum, "grad_norm": grad_norm, "tokens": trained_tokens,
-                                        "micro_batches": len(mine)}
+            count += 1
+            if each is not None:
+                each(i, micro_batch_tokens(mb))
+        return grad, {"loss": loss_sum, "tokens": trained_tokens, "micro_batches": count}
 
     def apply_gradient(self, grad: torch.Tensor) -> None:
         """AdamW on this rank's range of `grad`, then all-gather the ranges into the full weights."""

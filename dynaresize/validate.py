@@ -205,6 +205,8 @@ def validate(cfg: JobConfig) -> None:
     need(micro_batches >= most_train, "trainer.micro_batch_size",
          f"the batch has {micro_batches} micro-batches but up to {most_train} ranks may train",
          "lower trainer.micro_batch_size or raise rollout.prompts_per_batch")
+    need(not (colocated and t.work_stealing), "trainer.work_stealing",
+         f"is true with policy={p.name}: every rank trains already", "drop trainer.work_stealing")
     if colocated:
         need(run.max_lag == 0, "run.max_lag", "colocated ranks do rollout and training in turn, nothing overlaps",
              "use run.max_lag=0 with policy=colocated")

@@ -292,13 +292,15 @@ def test_suite_writes_the_table_for_each_workload(tmp_path):
         folder = out / "h100-16" / w
         assert {"table.csv", "table.md", "table.png"} <= {p.name for p in folder.iterdir()}
         df = pd.read_csv(folder / "table.csv").set_index("row")
-        assert list(df.index) == ["static, hindsight-best", "static, pilot", "colocated", "dynamic", "oracle", "bound"]
+        assert list(df.index) == ["static, hindsight-best", "static, pilot", "colocated", "dynamic",
+                                  "dynamic + stealing", "oracle", "bound"]
         x = df["throughput_x"]
         assert x["static, hindsight-best"] == 1.0 and x["static, pilot"] <= 1.0
         assert x["oracle"] >= 1.0 - 1e-9 and x["bound"] > x["oracle"]
         assert df.loc["colocated", "critical_switch_s"] > 0 and 0 < df.loc["dynamic", "busy_share"] <= 1
         runs = sorted(p.name for p in (folder / "runs").iterdir())
-        assert runs == sorted(["static_01", "static_02", "static_03", "dynamic", "colocated", "oracle"])
+        assert runs == sorted(["static_01", "static_02", "static_03", "dynamic", "dynamic_stealing", "colocated",
+                               "oracle"])
     summary = pd.read_csv(out / "summary.csv")
     assert len(summary) == 2 and (summary["static, hindsight-best"] == 1.0).all()
     assert (summary["dynamic_vs_oracle"] == summary["dynamic"] / summary["oracle"]).all()

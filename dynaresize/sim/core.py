@@ -74,7 +74,9 @@ class Simulator:
         self.record_samples = setup.options.samples == "yes" or (setup.options.samples == "auto"
                                                                   and total_samples <= SAMPLE_ROWS_LIMIT)
         self._predictions: dict[tuple[int, int], Prediction] = {}
-        self.model = IterationModel(self.cm, self.W, self.lag, self.mbs, cfg.policy.resize_unit)
+        self.work_stealing = cfg.trainer.work_stealing
+        self.model = IterationModel(self.cm, self.W, self.lag, self.mbs, cfg.policy.resize_unit, self.work_stealing,
+                                    cfg.rollout.release)
 
         kind = POLICIES[cfg.policy.name]
         self.colocated = kind.colocated
@@ -370,12 +372,16 @@ class Simulator:
         if self.colocated:
             self.op(it, t, roles, tr, "release",
                     cm.switch_op_time("release", release_mode=self.release_mode) * self._noise(K), critical)
-        tok, mb = self.model.train_work(Lengths.of(self.batch(b)), K)
         common = self._noise()
-        compute = cm.train_compute_time(tok, mb) * common
         before, opt, after = (x * common for x in cm.train_sync_parts(K))
         start = t[tr].copy()
-        reduced = float((start + compute).max() + before)          # gradients all-reduced
+        if self.work_stealing:
+            tok, mb, computed = self.price_stealing(it, t, roles, b, common)
+            reduced = computed + before
+        else:
+            tok, mb = self.model.train_work(Lengths.of(self.batch(b)), K)
+            compute = cm.train_compute_time(tok, mb) * common
+            reduced = float((start + compute).max() + before)      # gradients all-reduced
         opt_start = np.full(K, reduced)
         if pending:
             for r, (s, e, nbytes) in pending.items():
@@ -387,7 +393,8 @@ class Simulator:
                 opt_start[r] = max(reduced, e)
             pending.clear()
         end = float((opt_start + opt).max() + after)               # parameters all-gathered
-        ev.add(it, tr, roles[tr], "train", start, end, tokens=tok)
+        ev.add(it, tr, roles[tr], "train", start, end, tokens=tok,
+               attrs=[{"micro_batches": int(m)} for m in mb])
         t[tr] = end
         if self.colocated:
             self.op(it, t, roles, tr, "engine_start",
@@ -397,6 +404,38 @@ class Simulator:
                     cm.switch_op_time("weight_load", nbytes=cm.weight_bytes) * self._noise(K),
                     critical, nbytes=cm.weight_bytes)
         return float(end - start.min())
+
+    def price_stealing(self, it, t, roles, b, scale) -> tuple[np.ndarray, float]:
+        """Work stealing (Job.steal): the train ranks from their clocks and the rollout ranks from
+        the end of their rollout claim the micro-batches in order (IterationModel.claims, the
+        policy's prediction); one `steal` event per micro-batch a helper computes. Returns (each
+        train rank's tokens and micro-batches, when the helpers' sums have reached the train ranks)."""
+        tr, rr = self.train_ranks(), self.rollout_ranks()
+        K = len(tr)
+        workers = np.concatenate((tr, rr))
+        owner, start, dur, mb_tok, joined = self.model.claims(Lengths.of(self.batch(b)), K, t[workers], scale)
+        stolen = owner >= K
+        if stolen.any():
+            ranks = workers[owner[stolen]]
+            self.events.add(it, ranks, roles[ranks], "steal", start[stolen], start[stolen] + dur[stolen],
+                            tokens=mb_tok[stolen])
+        end = t[workers].copy()
+        np.maximum.at(end, owner, start + dur)
+        helpers = np.unique(owner[stolen])
+        sums = self.model.helper_sums(owner, K) * scale
+        computed = float(end[np.concatenate((np.arange(K), helpers))].max())
+        if len(joined):                  # the helpers' engines sleep before and wake after (background)
+            sleep, wake = (x * scale for x in self.model.engine_times)
+            ranks, free = workers[joined], t[workers[joined]].copy()
+            done = np.maximum(end[joined], free + sleep) + np.where(np.isin(joined, helpers), sums, 0.0)
+            if sleep > 0:
+                self.events.add(it, ranks, roles[ranks], "release", free, free + sleep, schema.BACKGROUND)
+            if wake > 0:
+                self.events.add(it, ranks, roles[ranks], "engine_start", done, done + wake, schema.BACKGROUND,
+                                attrs={"restored": True})
+            t[ranks] = done + wake
+        return (np.bincount(owner[~stolen], weights=mb_tok[~stolen], minlength=K),
+                np.bincount(owner[~stolen], minlength=K), computed + sums)
 
 
 def refuse_to_overwrite(path: str) -> None:

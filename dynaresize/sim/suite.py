@@ -12,6 +12,8 @@ For every (hardware, ranks, workload) it simulates, with the same seed and cost 
                              (what a user picks from a short trial run), run to the end
     colocated                every rank generates, then trains (max_lag 0)
     dynamic                  policy=dynamic
+    dynamic + stealing       policy=dynamic with trainer.work_stealing (rollout ranks done generating
+                             compute micro-batches of the train step; dynaresize/stealing.py)
     oracle                   the per-iteration best split with free switching
     bound                    per iteration max(the longest sample decoded alone, all rollout and
                              train work / all ranks), summed: what no placement can beat
@@ -34,7 +36,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 WORKLOADS = ("stationary", "growth", "dapo", "deepscaler", "r1zero", "mixture_blocks", "mixture_alternating")
-ROWS = ("static, hindsight-best", "static, pilot", "colocated", "dynamic", "oracle", "bound")
+ROWS = ("static, hindsight-best", "static, pilot", "colocated", "dynamic", "dynamic + stealing", "oracle",
+        "bound")
 PILOT_ITERATIONS = 5
 
 
@@ -54,6 +57,9 @@ def run_specs(base: dict) -> dict[str, dict]:
     dyn["policy"]["train_ranks"] = "auto"
     dyn["sim"]["train_units"] = 0
     specs["dynamic"] = dyn
+    stealing = copy.deepcopy(dyn)
+    stealing["trainer"]["work_stealing"] = True
+    specs["dynamic_stealing"] = stealing
     coloc = copy.deepcopy(base)
     coloc["policy"]["name"] = "colocated"
     coloc["run"]["max_lag"] = 0
@@ -139,7 +145,7 @@ def workload_table(metrics: dict[str, dict], bound_row: dict):
     trial = max(statics, key=lambda n: metrics[n]["pilot_tokens_per_s"])
     ref = metrics[best]
     picks = {"static, hindsight-best": best, "static, pilot": trial, "colocated": "colocated",
-             "dynamic": "dynamic", "oracle": "oracle"}
+             "dynamic": "dynamic", "dynamic + stealing": "dynamic_stealing", "oracle": "oracle"}
     rows = []
     for row in ROWS:
         if row == "bound":
@@ -244,7 +250,8 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                     bar_chart(df, title, os.path.join(wdir, "table.png"))
                     tables.append(df)
                     r = df.set_index("row")["throughput_x"]
-                    log(f"[suite] {hw} {n:>5} ranks  {w:<20} dynamic {r['dynamic']:.3f}  oracle {r['oracle']:.3f}  "
+                    log(f"[suite] {hw} {n:>5} ranks  {w:<20} dynamic {r['dynamic']:.3f}  "
+                        f"+ stealing {r['dynamic + stealing']:.3f}  oracle {r['oracle']:.3f}  "
                         f"bound {r['bound']:.3f}  x hindsight static  ({time.perf_counter() - t0:.0f} s, "
                         f"{time.perf_counter() - started:.0f} s in all)")
                     summary.append({"hardware": hw, "ranks": n, "workload": w,

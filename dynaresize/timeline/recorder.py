@@ -24,6 +24,13 @@ class Recorder:
             event["end"] = self.clock()
             self._events.append(event)
 
+    def record(self, iteration: int, name: str, role: str, start: float, end: float, tokens: int = 0,
+               **attrs) -> None:
+        """An event that was timed by the caller (e.g. one of several steps of a loop it does not own)."""
+        self._events.append({"iteration": iteration, "rank": self.rank, "role": role, "name": name,
+                             "critical": NOT_A_SWITCH, "tokens": tokens, "bytes": 0, "attrs": dict(attrs),
+                             "start": start, "end": end})
+
     def add(self, event: dict) -> None:
         self._events.append(event)
 

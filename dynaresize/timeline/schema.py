@@ -28,8 +28,9 @@ SCHEMA_VERSION = 1
 # Roles as written in the file. "both" is a rank of a colocated run (rollout then training).
 ROLES = ("train", "rollout", "both", "none")
 
-# Stage names: useful work of an iteration.
-STAGES = ("rollout", "train", "weight_sync", "exchange")
+# Stage names: useful work of an iteration. "steal": a micro-batch of the train step computed by a
+# rank outside the train group (work stealing, dynaresize/stealing.py).
+STAGES = ("rollout", "train", "weight_sync", "exchange", "steal")
 # Switch operations: the fine-grained plan of one resize (see dynaresize.resize).
 SWITCH_OPS = ("drain", "release", "stage_out", "reshard", "stage_in", "engine_start",
               "weight_load", "group_switch", "commit")
