@@ -57,3 +57,11 @@ def static_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("static_run")
     proc = run_cli(run_dir, "policy.train_ranks=2", "run.iterations=8")
     return run_dir, proc
+
+
+@pytest.fixture(scope="session")
+def static_lag0_run(tmp_path_factory):
+    """A static 2T/2R synchronous run (max_lag 0) of 8 iterations: the reference of lag-0 tests."""
+    run_dir = tmp_path_factory.mktemp("static_lag0_run")
+    run_cli(run_dir, "run.max_lag=0", "run.iterations=8")
+    return run_dir

@@ -97,10 +97,9 @@ def test_scripted_resizes_preserve_tokens_and_weights(static_run, tmp_path, caps
     assert "iteration 1: switch v0 1T/3R -> v1 3T/1R (file transport)" in printed and "stage_in" in printed
 
 
-def test_lag0_resizes_without_reuse_over_network_transport_and_colocated(tmp_path):
+def test_lag0_resizes_without_reuse_over_network_transport_and_colocated(static_lag0_run, tmp_path):
     common = ["run.max_lag=0", "run.iterations=8"]
-    static, scripted, colocated = tmp_path / "static", tmp_path / "scripted", tmp_path / "colocated"
-    run_cli(static, *common)
+    static, scripted, colocated = static_lag0_run, tmp_path / "scripted", tmp_path / "colocated"
     run_cli(scripted, *common, "policy=scripted", "policy.schedule=[1,3,2,3,1,2,1,3]",
             "staging.reuse_groups=false", "staging.transport=network")
     assert_same_rl(scripted, static)

@@ -42,12 +42,11 @@ def test_claim_schedule_gives_the_next_micro_batch_to_the_worker_free_first():
     assert queue_order([3, 5, 5, 1]).tolist() == [1, 2, 0, 3]          # the longest first, ties by index
 
 
-def test_work_stealing_keeps_the_rl_exact(static_run, tmp_path):
+def test_work_stealing_keeps_the_rl_exact(static_run, static_lag0_run, tmp_path):
     # Synchronous (max_lag 0): the rollout ranks are free when training starts, and help at once.
-    reference, stealing = tmp_path / "static_lag0", tmp_path / "stealing_lag0"
-    run_cli(reference, "run.max_lag=0", "run.iterations=6")
-    run_cli(stealing, "run.max_lag=0", "run.iterations=6", "trainer.work_stealing=true")
-    assert_same_rl(stealing, reference, exact=True)
+    stealing = tmp_path / "stealing_lag0"
+    run_cli(stealing, "run.max_lag=0", "run.iterations=8", "trainer.work_stealing=true")
+    assert_same_rl(stealing, static_lag0_run, exact=True)
     stolen = steals(stealing)
     assert len(stolen) > 0 and set(stolen["rank"].tolist()) <= {2, 3}       # only rollout ranks steal
     events = timeline(stealing)[0]["events"]
