@@ -3,14 +3,14 @@ gradients of micro-batches that the train ranks have not taken yet.
 
 The micro-batches of one train step form a queue in a fixed order, the longest first
 (`queue_order`: each worker takes the next when it is free, so the last to be taken are the
-shortest and the workers end close together). Every worker, the train ranks from the start of the step and a rollout rank once it has generated
-its share, takes the next one with an atomic add on a counter in a TCPStore (comm.make_store), and
-writes itself down as its owner: a claim never waits for another rank. A helper joins only if the
-micro-batches not yet claimed are worth the cost of its gradient sum (`worth_joining`, priced by
-the cost model). Once the queue is empty,
-a helper that took any sends each train rank its range (the optimizer shard's) of its gradient
-sum; each train rank reads the owners, adds the helpers' slices to its own sum and joins the train
-group's all-reduce. A train rank receives 1/k of each helper's vector, not the whole of it.
+shortest and the workers end close together). Every worker, the train ranks from the start of
+the step and a rollout rank once it has generated its share, takes the next one with an atomic
+add on a counter in a TCPStore (comm.make_store) and writes itself down as its owner: a claim
+never waits for another rank. A helper joins only if the micro-batches not yet claimed are worth
+what it costs (`worth_joining`, priced by the cost model). Once the queue is empty, a helper that
+took any sends each train rank its range (the optimizer shard's) of its gradient sum; each train
+rank reads the owners, adds the helpers' slices to its own sum and joins the train group's
+all-reduce. A train rank receives 1/k of each helper's vector, not the whole of it.
 
 What is computed does not change: the set of micro-batches and each one's gradient are those of a
 run without stealing, and with float64 gradient sums (trainer.grad_reduce_dtype, the default) the
@@ -20,8 +20,7 @@ train ranks. An engine that holds the GPU's memory (vLLM) sleeps while its rank 
 after, both priced (CostModel.helper_engine_times) and part of the cost of joining.
 
 The simulator and the dynamic policy price the same claims and the same decision to join with
-`claim_schedule`. No torch here:
-the simulator imports this module.
+`claim_schedule`. No torch here: the simulator imports this module.
 """
 from __future__ import annotations
 
