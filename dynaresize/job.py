@@ -35,14 +35,14 @@ from .rewards import Scorer
 from .roles import RoleTable
 from .placement import place_prompts, placement_lists
 from .rollout.base import ENGINES, GroupRequest, make_engine
-from .stealing import MicroBatchQueue, queue_order
+from .stealing import MicroBatchQueue
 from .staging import RUN_ID_ENV, job_staging_dir, make_private_dir, new_run_id, remove_dir
 from .launch.failure import status_path, write_status
 from .timeline.reader import TIMELINE_FILE
 from .timeline.recorder import Recorder
 from .timeline.schema import BACKGROUND
 from .timeline.writer import TimelineWriter
-from .trainer import ShardedTrainer, micro_batch_tokens
+from .trainer import ShardedTrainer, cut_micro_batches, micro_batch_tokens
 from .types import RankState, Sample
 from .workload import digest, make_task, sample_seed
 
@@ -291,9 +291,7 @@ class Job:
         taken yet (one `steal` event each) and send their gradient sum to the train ranks (each
         its range)."""
         b, queue, k = batch[0].batch, self._queue(batch), self.table.num_train
-        micro_batches, _ = self.helper.micro_batches(batch)
-        tokens = [micro_batch_tokens(mb) for mb in micro_batches]
-        prices = self.prices.train_compute_time(np.asarray(tokens)[queue_order(tokens)], 1)
+        prices = self.prices.train_compute_time(queue.tokens, 1)
         send_s = self.prices.helper_sums_time(1, k, self.prices.multi_node(self.world))
         sleep_s, wake_s = self.prices.helper_engine_times(self.cfg.rollout.release)
         if not queue.join(prices, k, send_s + sleep_s + wake_s):
@@ -333,8 +331,8 @@ class Job:
         """The shared queue of this train step's micro-batches (None without work stealing)."""
         if self.store is None:
             return None
-        size = -(-len(batch) // self.cfg.trainer.micro_batch_size)
-        return MicroBatchQueue(self.store, batch[0].batch, size, self.rank)
+        tokens = [micro_batch_tokens(mb) for mb in cut_micro_batches(batch, self.cfg.trainer.micro_batch_size)]
+        return MicroBatchQueue(self.store, batch[0].batch, tokens, self.rank)
 
     def sync_weights(self, it: int) -> None:
         """Broadcast the updated weights from train rank 0 to every rollout rank."""

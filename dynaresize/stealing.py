@@ -36,29 +36,33 @@ def queue_order(tokens) -> np.ndarray:
 
 
 class MicroBatchQueue:
-    """The claims on the `size` micro-batches of train step `step`, as rank `rank` makes them:
-    positions in the queue (`queue_order` maps them to micro-batches)."""
+    """The claims on the micro-batches of train step `step` (`tokens`: each one's, in index
+    order), as rank `rank` makes them; the queue runs in `queue_order`."""
 
-    def __init__(self, store, step: int, size: int, rank: int):
+    def __init__(self, store, step: int, tokens, rank: int):
         # Keys are never deleted: a late claimant still adds to `next` after the queue is empty, and
-        # a deleted counter would start again at 0. A step leaves size + 1 short keys in the store.
-        self.store, self.key, self.size, self.rank = store, f"steal/{step}", size, rank
+        # a deleted counter would start again at 0. A step leaves size + 2 short keys in the store.
+        self.store, self.key, self.rank = store, f"steal/{step}", rank
+        self.tokens = np.asarray(tokens, dtype=np.float64)
+        self.order = queue_order(self.tokens)
+        self.size = len(self.order)
 
     def claim(self) -> int | None:
-        """The next position of the queue for this rank, or None when every one is taken."""
+        """The next micro-batch (its index) for this rank, or None when every one is taken."""
         i = self.store.add(f"{self.key}/next", 1) - 1
         if i >= self.size:
             return None
         self.store.set(f"{self.key}/owner/{i}", str(self.rank))
-        return i
+        return int(self.order[i])
 
     def join(self, prices, train_ranks: int, join_s: float) -> bool:
-        """A helper's decision to take part (`worth_joining`, on the positions not claimed yet, whose
-        micro-batches are priced `prices` in queue order, and the train ranks plus the helpers
-        already in); counted if it does."""
+        """A helper's decision to take part (`worth_joining`, on the micro-batches not claimed yet,
+        each priced `prices[index]`, and the train ranks plus the helpers already in); counted if
+        it does."""
         taken = int(self.store.add(f"{self.key}/next", 0))
         joined = int(self.store.add(f"{self.key}/joined", 0))
-        if taken >= self.size or not worth_joining(float(sum(prices[taken:])), train_ranks + joined, join_s):
+        left = float(np.asarray(prices, dtype=np.float64)[self.order[taken:]].sum())
+        if taken >= self.size or not worth_joining(left, train_ranks + joined, join_s):
             return False
         self.store.add(f"{self.key}/joined", 1)
         return True

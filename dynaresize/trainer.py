@@ -26,7 +26,6 @@ from .config import TrainerConfig
 from .flat import FlatLayout, bind_model_to_flat, shard_range
 from .model import PAD_ID, trainable_parameters
 from .placement import assign_micro_batches
-from .stealing import queue_order
 from .types import Sample, ShardState
 
 REDUCE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -43,6 +42,12 @@ def group_advantages(samples: list[Sample]) -> dict[int, float]:
         normed = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
         adv.update({s.index: float(a) for s, a in zip(group, normed)})
     return adv
+
+
+def cut_micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
+    """The batch in index order, cut into micro-batches of `size` samples (fixed composition)."""
+    samples = sorted(samples, key=lambda s: s.index)
+    return [samples[i:i + size] for i in range(0, len(samples), size)]
 
 
 def micro_batch_tokens(mb: list[Sample]) -> int:
@@ -136,9 +141,7 @@ class ShardedTrainer:
     def micro_batches(self, samples: list[Sample]) -> tuple[list[list[Sample]], list[int]]:
         """The micro-batches of the batch (index order, `micro_batch_size` samples each) and the
         train rank (0..k-1) that computes each one."""
-        samples = sorted(samples, key=lambda s: s.index)
-        mbs = self.cfg.micro_batch_size
-        micro_batches = [samples[i:i + mbs] for i in range(0, len(samples), mbs)]
+        micro_batches = cut_micro_batches(samples, self.cfg.micro_batch_size)
         owners = assign_micro_batches([micro_batch_tokens(mb) for mb in micro_batches], len(self.group_ranks))
         return micro_batches, owners.tolist()
 
@@ -148,9 +151,11 @@ class ShardedTrainer:
         `queue` (stealing.MicroBatchQueue): take micro-batches from the step's shared queue instead
         of the fixed assignment, and add to this rank's range the sums of the helpers that took some.
         `each(index, tokens)` is called after each micro-batch (the timeline, emulation)."""
-        micro_batches, owners = self.micro_batches(samples)
-        taken = self._claims(micro_batches, queue) if queue is not None else \
-            (i for i, o in enumerate(owners) if o == self.index)
+        if queue is None:
+            micro_batches, owners = self.micro_batches(samples)
+            taken = (i for i, o in enumerate(owners) if o == self.index)
+        else:
+            micro_batches, taken = cut_micro_batches(samples, self.cfg.micro_batch_size), iter(queue)
         grad, info = self._accumulate(samples, micro_batches, taken, each)
         helpers = queue.helpers(self.group_ranks) if queue is not None else []
         if helpers:                        # each helper sends this rank its range of its sum
@@ -171,20 +176,14 @@ class ShardedTrainer:
         """Work stealing, on a rank outside the train group: the gradients of the micro-batches it
         takes from `queue`, summed; if it took any, each train rank (global ranks `train_ranks`)
         gets its range of the sum (the ranges of the optimizer shards)."""
-        micro_batches, _ = self.micro_batches(samples)
-        grad, info = self._accumulate(samples, micro_batches, self._claims(micro_batches, queue), each)
+        micro_batches = cut_micro_batches(samples, self.cfg.micro_batch_size)
+        grad, info = self._accumulate(samples, micro_batches, iter(queue), each)
         if info["micro_batches"]:
             k = len(train_ranks)
             ranges = [shard_range(self.layout.numel, k, j) for j in range(k)]
             for work in [dist.isend(grad[lo:hi], dst=r) for (lo, hi), r in zip(ranges, train_ranks)]:
                 work.wait()
         return info
-
-    @staticmethod
-    def _claims(micro_batches: list[list[Sample]], queue):
-        """The micro-batches (indices) this rank takes from `queue`, one at a time."""
-        order = queue_order([micro_batch_tokens(mb) for mb in micro_batches])
-        return (int(order[position]) for position in queue)
 
     def _accumulate(self, samples: list[Sample], micro_batches: list[list[Sample]], taken, each):
         """Forward/backward of the micro-batches `taken` (indices), gradients summed into a flat
