@@ -51,29 +51,28 @@ def continuous_steps(assign, response_lens, slots, ranks: int) -> np.ndarray:
     once, admitting its sequences (group by group in index order) first come first served into the
     slot that frees first (list scheduling). Without a queue a rank takes its longest sequence's
     steps; a queued rank's first slots[r] sequences start at once and each later one waits for the
-    earliest free slot (a heap of slot free times)."""
+    earliest free slot (a heap of slot free times). The dynamic policy calls this for every split
+    it prices: plain lists in the loop, numpy around it."""
     assign = np.asarray(assign, dtype=np.int64)
     L = np.asarray(response_lens, dtype=np.int64)
     steps = np.zeros(ranks)
-    if L.size:
-        np.maximum.at(steps, assign, L.max(axis=1))
     groups = np.bincount(assign, minlength=ranks)
-    counts = groups * (L.shape[1] if L.ndim == 2 else 0)
-    slots = np.asarray(slots, dtype=np.int64)
-    queued = np.flatnonzero(counts > slots)
-    if len(queued) == 0:
+    if L.size == 0:
         return steps
     order = np.argsort(assign, kind="stable")     # each rank's groups, in index order, once
     starts = np.concatenate(([0], np.cumsum(groups)))
-    for r in queued.tolist():
-        seqs = L[order[starts[r]:starts[r + 1]]].ravel().tolist()
-        steps[r] = max(s + n for s, n in zip(list_schedule(seqs, int(slots[r])), seqs))
+    held = np.flatnonzero(groups)
+    steps[held] = np.maximum.reduceat(L.max(axis=1)[order], starts[held])   # each rank's longest
+    slots = np.asarray(slots, dtype=np.int64)
+    for r in np.flatnonzero(groups * L.shape[1] > slots).tolist():
+        steps[r] = list_schedule(L[order[starts[r]:starts[r + 1]]].ravel().tolist(), int(slots[r]))[1]
     return steps
 
 
-def list_schedule(lengths: list[int], slots: int) -> list[int]:
-    """The decode step at which each sequence starts when `slots` run at once and the next waiting
-    sequence (in order) takes the slot that frees first: continuous batching's admission."""
+def list_schedule(lengths: list[int], slots: int) -> tuple[list[int], int]:
+    """Continuous batching's admission: `slots` sequences run at once and the next waiting one (in
+    order) takes the slot that frees first. Returns (the decode step at which each sequence starts,
+    the step at which the last one ends)."""
     free = lengths[:slots]                        # the slots' free times (a heap)
     heapq.heapify(free)
     starts = [0] * len(free)
@@ -81,7 +80,7 @@ def list_schedule(lengths: list[int], slots: int) -> list[int]:
     for length in lengths[slots:]:
         starts.append(free[0])
         replace(free, free[0] + length)
-    return starts
+    return starts, max(free, default=0)
 
 
 def _log2_steps(ranks) -> np.ndarray | float:

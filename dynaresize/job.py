@@ -383,7 +383,7 @@ class Job:
             metrics = self.iteration_metrics(events, self._new_samples, start, end,
                                              {r: self.table.role_of(r).value for r in range(self.world)},
                                              self.table.num_train, self.table.num_rollout)
-            decision = self.policy.decide(self._iteration_stats(it, metrics, generated, trained))
+            decision = self.policy.decide_timed(self._iteration_stats(it, metrics, generated, trained))
             self._write_timeline(it, events, start, end, generated, trained, decision)
             self.metrics.log(it, metrics)
             if "console" in self.cfg.logger:
@@ -438,7 +438,8 @@ class Job:
         if self.writer is not None:
             self.writer.close(complete=True, end_time=self.ctrl.now(),
                               groups_created_at_startup=self.registry.creations_at_startup,
-                              groups_created_after_startup=self.registry.created_after_startup)
+                              groups_created_after_startup=self.registry.created_after_startup,
+                              **self.policy.decide_time_attrs())
             self.metrics.close()
             self._print_closing_summary()
         self._close_engines()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +66,26 @@ class Policy:
 
     def __init__(self, job, cost=None):
         self.cfg, self.world, self.max_lag = job.policy, job.cluster.ranks, job.run.max_lag
+        self.decide_seconds: list[float] = []     # wall time of each decision (decide_timed)
 
     def initial_train_ranks(self) -> int:
         return int(self.cfg.train_ranks)
 
     def decide(self, stats: IterationStats) -> Decision:
         raise NotImplementedError
+
+    def decide_timed(self, stats: IterationStats) -> Decision:
+        """decide(), timed: rank 0 decides while every rank waits at the end of the iteration."""
+        start = time.perf_counter()
+        decision = self.decide(stats)
+        self.decide_seconds.append(time.perf_counter() - start)
+        return decision
+
+    def decide_time_attrs(self) -> dict[str, float]:
+        """The decisions' wall time, for the timeline's file attributes (not part of its datasets:
+        they stay deterministic in the simulator)."""
+        s = self.decide_seconds or [0.0]
+        return {"decide_s_median": statistics.median(s), "decide_s_max": max(s), "decide_s_total": sum(s)}
 
     def state(self) -> dict:
         """What a checkpoint must hold to resume the policy exactly, as plain data (JSON)."""

@@ -18,6 +18,7 @@ the forecast ones and corrects the cost model by the ratio of measured to predic
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -36,9 +37,10 @@ ENSEMBLE = 16         # recent batches of a task a forecast replays (their predi
 _PRIOR_STREAM = 0x70726972    # "prir": the configured workload's sample batch (not a real batch)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Lengths:
-    """The lengths of one batch: what pricing it needs."""
+    """The lengths of one batch: what pricing it needs. Compared by identity: IterationModel keeps
+    what it priced on a batch as long as the batch lives (a forecast's members are reused)."""
     prompt_lens: np.ndarray      # (prompts,)
     response_lens: np.ndarray    # (prompts, samples per prompt)
     trained_prompts: int         # the trainer takes prompt groups 0 .. trained_prompts - 1
@@ -88,21 +90,40 @@ class IterationModel:
         # there, so the split just below is a candidate of every search.
         inside = [k for k in self.candidates if k <= cm.gpus_per_node]
         self.node_split = inside[-1] if cm.gpus_per_node > 0 and inside else None
+        # what was priced on each batch, by (quantity, split), while the batch lives: a forecast
+        # replays the same recent batches decision after decision, at the same candidate splits
+        self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _memo(self, batch: Lengths, key: tuple, compute: Callable):
+        priced = self._priced.get(batch)
+        if priced is None:
+            priced = self._priced[batch] = {}
+        if key not in priced:
+            priced[key] = compute()
+        return priced[key]
 
     def rollout(self, batch: Lengths, k: int) -> float:
         return float(self.rollout_times(batch, k).max())
 
     def rollout_times(self, batch: Lengths, k: int) -> np.ndarray:
-        """Each rollout rank's time on the split of k train ranks."""
-        R = self.world - k
-        assign = place_prompts(batch.prompt_lens, R)
-        return self.cm.rollout_times(assign, batch.prompt_lens, batch.response_lens, R)
+        """Each rollout rank's time on the split of k train ranks (read-only: kept for the batch)."""
+        def price() -> np.ndarray:
+            R = self.world - k
+            times = self.cm.rollout_times(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
+                                          batch.response_lens, R)
+            times.flags.writeable = False
+            return times
+        return self._memo(batch, ("rollout", k), price)
 
     def micro_batch_tokens(self, batch: Lengths) -> np.ndarray:
         """The tokens of each micro-batch of the trained samples, in index order (as the trainer cuts them)."""
-        n = batch.trained_prompts
-        tok = (batch.prompt_lens[:n, None] + batch.response_lens[:n]).ravel().astype(np.float64)
-        return np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
+        def count() -> np.ndarray:
+            n = batch.trained_prompts
+            tok = (batch.prompt_lens[:n, None] + batch.response_lens[:n]).ravel().astype(np.float64)
+            out = np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
+            out.flags.writeable = False
+            return out
+        return self._memo(batch, ("micro-batch tokens",), count)
 
     def train_work(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, micro-batches) of each of k train ranks: the trained samples in index order,
@@ -116,8 +137,10 @@ class IterationModel:
         rank is free to help, in seconds from the stage's start) every worker claims micro-batches
         from the queue, and the helpers' sums reach the train ranks before the all-reduce."""
         if helpers_free is None:
-            tok, mb = self.train_work(batch, k)
-            return float(np.max(self.cm.train_compute_time(tok, mb))) + self.cm.train_sync_time(k)
+            def price() -> float:
+                tok, mb = self.train_work(batch, k)
+                return float(np.max(self.cm.train_compute_time(tok, mb))) + self.cm.train_sync_time(k)
+            return self._memo(batch, ("train", k), price)
         owner, start, dur, _, _ = self.claims(batch, k, np.concatenate((np.zeros(k), helpers_free)))
         compute = float((start + dur).max()) if len(dur) else 0.0
         return compute + self.helper_sums(owner, k) + self.cm.train_sync_time(k)
@@ -239,12 +262,22 @@ class LengthForecast:
         self.generated: dict[int, Lengths] = {}          # recent generated batches, by index
         self.recent: dict[int, deque] = {}                # task -> (batch index, lengths), newest last
         self.trend: dict[int, deque] = {}                 # task -> (batch index, log mean length)
+        # the same objects for the same forecast until its batch is generated (IterationModel keeps
+        # prices per batch object): prior(b), and the member (growth, batch) of each (seen batch,
+        # forecast batch), replaced when the growth changes
+        self._priors: dict[int, list[Lengths]] = {}
+        self._members: dict[tuple[int, int], tuple[float, Lengths]] = {}
 
     def observe(self, b: int, batch: Lengths) -> None:
         task = task_index(self.w, b)
         self.generated[b] = batch
         for old in [x for x in self.generated if x < b - 2]:
             del self.generated[old]
+        for old in [x for x in self._priors if x <= b]:
+            del self._priors[old]
+        oldest = self.recent[task][0][0] if len(self.recent.get(task, ())) == ENSEMBLE else -1
+        for key in [key for key in self._members if key[1] <= b or key[0] < oldest]:
+            del self._members[key]
         self.recent.setdefault(task, deque(maxlen=ENSEMBLE)).append((b, batch))
         mean = float(batch.response_lens.mean()) if batch.response_lens.size else 0.0
         if mean > 0:
@@ -268,9 +301,12 @@ class LengthForecast:
         return slope if abs(slope) > 2.0 * stderr else 0.0
 
     def prior(self, b: int) -> list[Lengths]:
-        """ENSEMBLE samples of the configured workload at batch b (start-up, tasks not seen yet)."""
-        return [Lengths.of(batch_shape(self.w, self.seed + _PRIOR_STREAM + i, b, self.ppb, self.spp))
-                for i in range(ENSEMBLE)]
+        """ENSEMBLE samples of the configured workload at batch b (start-up, tasks not seen yet),
+        the same objects until batch b is generated."""
+        if b not in self._priors:
+            self._priors[b] = [Lengths.of(batch_shape(self.w, self.seed + _PRIOR_STREAM + i, b, self.ppb, self.spp))
+                               for i in range(ENSEMBLE)]
+        return self._priors[b]
 
     def forecast(self, b: int) -> tuple[list[Lengths], tuple]:
         """(the forecast of batch b: one or more equally likely batches, a key: equal keys,
@@ -285,9 +321,15 @@ class LengthForecast:
         members, key = [], []
         for b0, seen in self.recent[task]:
             scale = math.exp(growth * (b - b0))
-            rows = np.arange(n) % seen.prompts        # a batch of another size repeats the rows seen
-            lens = np.clip(np.round(seen.response_lens[rows] * scale), 1, cap).astype(np.int64)
-            members.append(Lengths(seen.prompt_lens[rows], lens, min(self.ppb, n)))
+            if scale == 1.0 and n == seen.prompts and seen.trained_prompts == min(self.ppb, n) \
+                    and 1 <= seen.response_lens.min() and seen.response_lens.max() <= cap:
+                members.append(seen)                  # the batch as seen
+            else:
+                if self._members.get((b0, b), (None,))[0] != scale:
+                    rows = np.arange(n) % seen.prompts    # a batch of another size repeats the rows seen
+                    lens = np.clip(np.round(seen.response_lens[rows] * scale), 1, cap).astype(np.int64)
+                    self._members[b0, b] = scale, Lengths(seen.prompt_lens[rows], lens, min(self.ppb, n))
+                members.append(self._members[b0, b][1])
             key.append((b0, round(scale, 2)))
         return members, ("forecast", task, cap, n, *key)
 

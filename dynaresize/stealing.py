@@ -102,20 +102,41 @@ def claim_schedule(durations, ready, helpers_from: int | None = None, join_s: fl
     micro-batch, or its ready time if none; the helpers that joined)."""
     dur = np.asarray(durations, dtype=np.float64)
     ready = np.asarray(ready, dtype=np.float64)
-    first_helper = len(ready) if helpers_from is None else helpers_from
+    k = len(ready) if helpers_from is None else helpers_from
+    # the train ranks alone: every claim until a helper is free is theirs
+    owner, start, end = _claims_without_helpers(dur, ready[:k])
+    if k >= len(ready):
+        return owner, start, end, np.array([], dtype=np.int64)
+    # the first claim a helper can take: one starting after it is free (a tie goes to the lower
+    # worker, a train rank); claims start in time order
+    cut = int(np.searchsorted(start, ready[k:].min(), side="right"))
+    if cut == len(dur):
+        return owner, start, np.concatenate((end, ready[k:])), np.array([], dtype=np.int64)
+    free = ready.copy()
+    np.maximum.at(free, owner[:cut], start[:cut] + dur[:cut])
     left = np.concatenate((np.cumsum(dur[::-1])[::-1], [0.0])).tolist()   # unclaimed compute from i on
-    heap = [(t, w) for w, t in enumerate(ready.tolist())]
+    heap = [(t, w) for w, t in enumerate(free.tolist())]
     heapq.heapify(heap)
-    owner, start, end = [], [], ready.tolist()
+    owner, start, end = owner[:cut].tolist(), start[:cut].tolist(), free.tolist()
     joined, decided = [], set()
     pop, push = heapq.heappop, heapq.heappush       # plain lists and floats: this runs per prediction
-    for i, d in enumerate(dur.tolist()):
+    helpers = len(ready) - k
+    for i, d in enumerate(dur[cut:].tolist(), start=cut):
+        if len(decided) == helpers:                 # every helper in or out: the rest without helpers
+            workers, free = zip(*sorted((w, t) for t, w in heap))
+            free = np.array(free)
+            rest_owner, rest_start, rest_end = _claims_without_helpers(dur[i:], free)
+            owner += [workers[w] for w in rest_owner.tolist()]
+            start += rest_start.tolist()
+            for w in set(rest_owner.tolist()):       # (a helper that never claims ends when it was free)
+                end[workers[w]] = float(rest_end[w])
+            break
         while True:
             t, w = pop(heap)
-            if w < first_helper or w in decided:
+            if w < k or w in decided:
                 break
             decided.add(w)
-            if worth_joining(left[i], first_helper + len(joined), join_s):
+            if worth_joining(left[i], k + len(joined), join_s):
                 joined.append(w)
                 if delay_s <= 0:
                     break
@@ -127,3 +148,54 @@ def claim_schedule(durations, ready, helpers_from: int | None = None, join_s: fl
         push(heap, (t + d, w))
     return (np.array(owner, dtype=np.int64), np.array(start, dtype=np.float64), np.array(end),
             np.array(sorted(joined), dtype=np.int64))
+
+
+# Workers from which claims without helpers are taken in rounds (a numpy sort a round) rather than
+# one at a time from a heap: measured on 3,395 micro-batches, 2.4 ms (heap) against 4.1 ms
+# (rounds) at 16 workers, 3.1 ms against 0.7 ms at 128.
+ROUNDS_FROM = 32
+
+
+def _claims_without_helpers(dur: np.ndarray, ready: np.ndarray):
+    """(owner, start, end) of claim_schedule without helpers: in rounds where that is faster and
+    the durations are in the queue's order, else one claim at a time."""
+    if len(ready) >= ROUNDS_FROM and bool(np.all(dur[1:] <= dur[:-1])):
+        return _claims_in_rounds(dur, ready)
+    return _claims(dur, ready)
+
+
+def _claims(dur: np.ndarray, ready: np.ndarray):
+    """claim_schedule without helpers, one claim at a time: the heap of (free time, worker)."""
+    heap = [(t, w) for w, t in enumerate(ready.tolist())]
+    heapq.heapify(heap)
+    owner, start, end = [], [], ready.tolist()
+    replace = heapq.heapreplace
+    for d in dur.tolist():
+        t, w = heap[0]
+        owner.append(w)
+        start.append(t)
+        end[w] = t + d
+        replace(heap, (t + d, w))
+    return np.array(owner, dtype=np.int64), np.array(start, dtype=np.float64), np.array(end)
+
+
+def _claims_in_rounds(dur: np.ndarray, ready: np.ndarray):
+    """The same claims as `_claims` for durations that never grow along the queue (its order:
+    longest first), in rounds: with the workers sorted by free time (ties: the
+    lower worker), the first m take the next m micro-batches, one each, as long as the m-th free
+    time is below the first plus the m-th duration: then no worker freed in the round is free
+    before the next one in the order (durations fall along the queue, so every new free time is
+    at least the first plus the m-th duration)."""
+    free = ready.copy()
+    n, k = len(dur), len(free)
+    owner, start = np.empty(n, dtype=np.int64), np.empty(n)
+    i = 0
+    while i < n:
+        order = np.argsort(free, kind="stable")
+        t, d = free[order[:n - i]], dur[i:i + k]
+        before = t < t[0] + d
+        m = len(d) if before.all() else max(int(np.argmin(before)), 1)
+        owner[i:i + m], start[i:i + m] = order[:m], t[:m]
+        free[order[:m]] = t[:m] + d[:m]
+        i += m
+    return owner, start, free

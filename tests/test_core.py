@@ -25,6 +25,7 @@ def test_static_run_records_every_rank_every_iteration(static_run):
         assert int(f.attrs["mpi_world_size"]) == 4
         assert int(f.attrs["groups_created_after_startup"]) == 0
         assert int(f.attrs["groups_created_at_startup"]) == 9    # 3 splits x (train, rollout, sync)
+        assert 0 < f.attrs["decide_s_median"] <= f.attrs["decide_s_total"]     # rank 0's decisions, timed
         events, iterations = f["events"][...], f["iterations"][...]
         samples = f["samples"][...]
     assert list(iterations["iteration"]) == list(range(9))

@@ -180,6 +180,27 @@ def test_state_round_trip_through_json_resumes_identically():
     assert a.decide(s) == b.decide(s)
 
 
+@pytest.mark.parametrize("growth", [1.0, 1.05])
+def test_a_forecast_is_the_same_batches_until_new_ones_are_seen(growth):
+    # Decision after decision, a forecast replays the same recent batches (as seen, or grown by a
+    # trend): the same objects, so IterationModel prices each one once per split, read-only.
+    cfg = job()
+    policy = DynamicPolicy(cfg, cost(cfg))
+    batches = [batch(500 * growth ** i, seed=i) for i in range(8)]
+    closed_loop(policy, batches, 8)
+    f, model = policy.forecast, policy.model
+    first, second = f.forecast(10)[0], f.forecast(10)[0]
+    assert len(first) == 8 and all(a is b for a, b in zip(first, second))
+    seen = [x for _, x in f.recent[0]]
+    assert all(any(m is x for x in seen) for m in first) == (f.growth(0) == 0.0)
+    times = model.rollout_times(first[0], 8)
+    assert model.rollout_times(first[0], 8) is times and not times.flags.writeable
+    fresh = Lengths(first[0].prompt_lens.copy(), first[0].response_lens.copy(), first[0].trained_prompts)
+    assert np.array_equal(model.rollout_times(fresh, 8), times) and model.train(fresh, 6) == model.train(first[0], 6)
+    f.observe(10, batches[0])                     # batch 10 generated: forecast as it was seen
+    assert f.forecast(10)[0] == [batches[0]]
+
+
 def test_scripted_and_static():
     def cfg(**policy):
         return load_config({"cluster": {"ranks": 4}, "policy": policy})

@@ -109,10 +109,12 @@ def test_default_config_simulates_and_passes_through_analysis(tmp_path):
 
 
 def test_deterministic(tmp_path):
-    a = read(run(tmp_path, "a", "policy=dynamic", "run.iterations=20", "sim.noise=0.05"))[1]
+    attrs, a = read(run(tmp_path, "a", "policy=dynamic", "run.iterations=20", "sim.noise=0.05"))
     b = read(run(tmp_path, "b", "policy=dynamic", "run.iterations=20", "sim.noise=0.05"))[1]
     for name in schema.DATASETS:
         assert a[name].tobytes() == b[name].tobytes(), name
+    # the policy's own wall time is kept beside the datasets (it is this machine's, not simulated)
+    assert 0 < attrs["decide_s_median"] <= attrs["decide_s_max"] <= attrs["decide_s_total"]
     c = read(run(tmp_path, "c", "policy=dynamic", "run.iterations=20", "sim.noise=0.05", "run.seed=7"))[1]
     assert not np.array_equal(a["events"]["end"], c["events"]["end"])
 

@@ -42,6 +42,46 @@ def test_claim_schedule_gives_the_next_micro_batch_to_the_worker_free_first():
     assert queue_order([3, 5, 5, 1]).tolist() == [1, 2, 0, 3]          # the longest first, ties by index
 
 
+def step_by_step_claims(durations, ready):
+    """The claims without helpers, one at a time, by a scan of every worker (ties: the lower)."""
+    free, owner, start = list(map(float, ready)), [], []
+    for d in durations:
+        w = min(range(len(free)), key=lambda i: (free[i], i))
+        owner.append(w)
+        start.append(free[w])
+        free[w] += d
+    return owner, start, free
+
+
+@pytest.mark.parametrize("workers", [5, 40, 300])
+def test_claims_without_helpers_are_list_scheduling(workers):
+    # From 32 workers claim_schedule takes claims in rounds (a sort a round): the same claims as a
+    # scan, with ties in durations and in free times; durations that grow somewhere along the
+    # queue are taken one at a time.
+    rng = np.random.default_rng(workers)
+    for trial in range(4):
+        dur = np.sort(rng.integers(1, 40, 25 * workers).astype(float))[::-1]
+        if trial == 3:
+            dur = rng.permutation(dur)
+        ready = rng.integers(0, 3, workers).astype(float) if trial % 2 else np.zeros(workers)
+        owner, start, end, joined = claim_schedule(dur, ready)
+        ref_owner, ref_start, ref_end = step_by_step_claims(dur, ready)
+        assert owner.tolist() == ref_owner and start.tolist() == ref_start and end.tolist() == ref_end
+        assert len(joined) == 0
+    # helpers free only once the last micro-batch is claimed take none (a tie goes to a train rank)
+    train = min(workers, 8)
+    owner, start, end, _ = claim_schedule(dur, ready[:train])
+    late = np.concatenate((ready[:train], start[-1] + rng.integers(0, 2, 3)))
+    assert [x.tolist() for x in claim_schedule(dur, late, helpers_from=train)] == \
+        [owner.tolist(), start.tolist(), end.tolist() + late[train:].tolist(), []]
+    late[train] = start[-1] - 0.5                                 # free just before it: takes one
+    assert train in claim_schedule(dur, late, helpers_from=train)[0]
+    # a worker freed inside a round at the very time another becomes free: the lower one goes first
+    ready = np.full(workers, 2.0)
+    ready[0] = 0.0
+    assert claim_schedule(np.full(3, 2.0), ready)[0].tolist() == step_by_step_claims([2.0] * 3, ready)[0]
+
+
 def test_work_stealing_keeps_the_rl_exact(static_run, static_lag0_run, tmp_path):
     # Synchronous (max_lag 0): the rollout ranks are free when training starts, and help at once.
     stealing = tmp_path / "stealing_lag0"

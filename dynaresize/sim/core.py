@@ -178,7 +178,8 @@ class Simulator:
             run_iterations(self, self.iterations, self.lag)       # the runtime's recipe, priced
             wall = time.perf_counter() - wall0
             writer.close(complete=True, end_time=self.clock, sim_wall_s=wall,
-                         groups_created_at_startup=0, groups_created_after_startup=0)
+                         groups_created_at_startup=0, groups_created_after_startup=0,
+                         **self.policy.decide_time_attrs())
         except BaseException:
             writer.close(complete=False)
             raise
@@ -267,7 +268,7 @@ class Simulator:
                                switch_time=float(self.critical.max()),
                                generated_batch=-1 if generated is None else generated,
                                trained_batch=-1 if trained is None else trained, lengths=self.lengths)
-        decision = self.policy.decide(stats)
+        decision = self.policy.decide_timed(stats)
         self.rows["decisions"].append(decision.row(self.version + int(decision.moves)))
         if self.options.progress:
             print(f"[dynaresize-sim] iter {it + 1:>5}/{self.iterations + self.lag}  split "

@@ -85,7 +85,7 @@ def rollout_with_migration(cm: CostModel, batch: Lengths, ranks: int, mech: Mech
     slots = cm.decode_slots(tokens, kv)
     start = np.zeros(len(length), dtype=np.int64)
     for r in np.flatnonzero(n > slots).tolist():          # queued ranks: continuous batching's admission
-        start[first[r]:first[r] + n[r]] = list_schedule(length[first[r]:first[r] + n[r]].tolist(), int(slots[r]))
+        start[first[r]:first[r] + n[r]] = list_schedule(length[first[r]:first[r] + n[r]].tolist(), int(slots[r]))[0]
     end = start + length
     groups = np.bincount(assign, minlength=ranks).astype(np.float64)
     fixed = c.base_s + c.per_group_s * groups + c.per_prompt_token_s * np.bincount(rank, weights=prompt,

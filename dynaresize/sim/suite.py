@@ -83,6 +83,8 @@ def _simulate(job: tuple[dict, str]) -> dict:
     metrics = analysis.run_metrics(tl)
     metrics["pilot_tokens_per_s"] = float(first["tokens"].sum() / first["span_s"].sum())
     metrics["turns"] = direction_changes(its["train_ranks"].tolist())
+    for key in ("decide_s_median", "decide_s_total"):     # the policy's own time, on this machine
+        metrics[key] = float(tl.attrs.get(key, math.nan))
     return metrics
 
 
@@ -95,11 +97,15 @@ def direction_changes(splits: list[int]) -> int:
 def acceptance(r, dynamic: dict) -> dict:
     """The dynamic policy's figures of merit from a workload's throughputs `r` (row -> x hindsight
     static): against the oracle, the share of the oracle's gain over the pilot split it captures,
-    and its resizes and reversals of direction."""
+    its resizes and reversals of direction, and its decisions' wall time here: the median, and
+    the total as a share of the run (rank 0 decides while every rank waits; the simulated time
+    leaves it out)."""
     gain = r["oracle"] / r["static, pilot"] - 1
     return {"dynamic_vs_oracle": r["dynamic"] / r["oracle"],
             "captured": (r["dynamic"] / r["static, pilot"] - 1) / gain if gain > 1e-9 else math.nan,
-            "resizes": dynamic["resizes"], "turns": dynamic["turns"]}
+            "resizes": dynamic["resizes"], "turns": dynamic["turns"],
+            "decide_s": dynamic["decide_s_median"],
+            "decide_share": dynamic["decide_s_total"] / dynamic["total_time_s"]}
 
 
 def bound(spec: dict) -> dict:
@@ -263,7 +269,9 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("Throughput relative to the hindsight-best static split (same seed and cost model per row); "
                 "dynamic_vs_oracle, the share of the oracle's gain over the pilot split that dynamic captures, "
-                "and the dynamic run's resizes and reversals of direction (turns).\n\n")
+                "the dynamic run's resizes and reversals of direction (turns), and its decisions' wall time on "
+                "this machine (decide_s: the median in seconds; decide_share: their total / the run's simulated "
+                "time).\n\n")
         f.write(markdown(df) + "\n")
     log(f"[suite] done in {time.perf_counter() - started:.0f} s: {out}/summary.md, per workload table.md/.csv/.png")
     return df
