@@ -273,12 +273,12 @@ class LengthForecast:
         self.generated[b] = batch
         for old in [x for x in self.generated if x < b - 2]:
             del self.generated[old]
+        self.recent.setdefault(task, deque(maxlen=ENSEMBLE)).append((b, batch))
         for old in [x for x in self._priors if x <= b]:
             del self._priors[old]
-        oldest = self.recent[task][0][0] if len(self.recent.get(task, ())) == ENSEMBLE else -1
-        for key in [key for key in self._members if key[1] <= b or key[0] < oldest]:
+        replayed = {b0 for d in self.recent.values() for b0, _ in d}
+        for key in [key for key in self._members if key[1] <= b or key[0] not in replayed]:
             del self._members[key]
-        self.recent.setdefault(task, deque(maxlen=ENSEMBLE)).append((b, batch))
         mean = float(batch.response_lens.mean()) if batch.response_lens.size else 0.0
         if mean > 0:
             self.trend.setdefault(task, deque(maxlen=TREND_WINDOW)).append((b, math.log(mean)))

@@ -307,6 +307,7 @@ def test_suite_writes_the_table_for_each_workload(tmp_path):
     assert len(summary) == 2 and (summary["static, hindsight-best"] == 1.0).all()
     assert (summary["dynamic_vs_oracle"] == summary["dynamic"] / summary["oracle"]).all()
     assert (summary["turns"] >= 0).all() and (summary["resizes"] >= summary["turns"]).all()
+    assert (summary["decide_s"] > 0).all() and ((summary["decide_share"] > 0) & (summary["decide_share"] < 1)).all()
     # by default only the timelines of the table's runs stay
     kept = tmp_path / "kept"
     proc = subprocess.run(cmd[:cmd.index("--out")] + ["--out", str(kept)] + cmd[cmd.index("--jobs"):cmd.index("--keep")]

@@ -242,8 +242,10 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                     base = compose_base(w, hw, n, overrides)
                     specs = run_specs(base)
                     wdir = os.path.join(folder, w)
-                    jobs_ = [(spec, os.path.join(wdir, "runs", name)) for name, spec in specs.items()]
-                    metrics = dict(zip(specs, pool.map(_simulate, jobs_)))
+                    # the dynamic runs first: they take longest (a decision prices many splits)
+                    names = sorted(specs, key=lambda name: not name.startswith("dynamic"))
+                    jobs_ = [(specs[name], os.path.join(wdir, "runs", name)) for name in names]
+                    metrics = dict(zip(names, pool.map(_simulate, jobs_)))
                     df = workload_table(metrics, bound(base))
                     drop = set(specs) if keep == "none" else set() if keep == "all" else set(specs) - set(df["run"])
                     for name in drop:
