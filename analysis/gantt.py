@@ -39,6 +39,7 @@ STAGE_COLORS = {
     "weight_sync": "#2ca02c",
     "exchange": "#8c8c8c",
     "steal": "#a65200",       # train work on a rank outside the train group (work stealing)
+    "migrate": "#17becf",     # a rollout rank handing its last sequences to a tail rank
     "other": "#8c564b",       # schema.OTHER: startup, decide, checkpoint
 }
 ROLE_TINTS = {"rollout": "#d5e5f4", "train": "#fde2c4", "both": "#d7efd1", "none": "#eeeeee"}

@@ -46,6 +46,18 @@ class ControlPlane:
     def gather(self, obj, root: int = 0):
         return self.comm.gather(obj, root=root)
 
+    # --- point to point on Python objects (tail migration) ---------------------------------
+    def post(self, obj, dest: int, tag: int):
+        """Send `obj` to `dest` without waiting for it to be received: wait() on the returned
+        request before the iteration ends."""
+        return self.comm.isend(obj, dest=dest, tag=tag)
+
+    def receive(self, tag: int) -> tuple[object, int]:
+        """The next object sent to this rank with `tag`, from whichever rank sent first, and that rank."""
+        status = self.MPI.Status()
+        obj = self.comm.recv(source=self.MPI.ANY_SOURCE, tag=tag, status=status)
+        return obj, status.Get_source()
+
     def barrier(self) -> None:
         self.comm.Barrier()
 

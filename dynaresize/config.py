@@ -113,6 +113,9 @@ class RolloutConfig:
     samples_per_prompt: int = 4    # GRPO group size
     temperature: float = 1.0
     ignore_eos: bool = False       # benchmarking: every response runs to its hidden length (no early <eos>)
+    # tail migration: a rollout rank with this many sequences left or fewer hands them to a tail rank
+    migration_threshold: int = 0   # 0: off
+    tail_ranks: int = 1            # the first rollout ranks at their cut finish the others' sequences
     # vLLM engine settings (rollout=vllm)
     gpu_memory_utilization: float = 0.5
     release: str = "sleep"         # on leaving rollout: sleep (CUDA sleep mode) | teardown | keep

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import time
 
 import numpy as np
@@ -33,8 +34,9 @@ from .prediction import Lengths
 from .resize import colocated_release, colocated_restore, inject_fault, switch
 from .rewards import Scorer
 from .roles import RoleTable
+from .migration import MIGRATE_TAG, TailRoster
 from .placement import place_prompts, placement_lists
-from .rollout.base import ENGINES, GroupRequest, make_engine
+from .rollout.base import ENGINES, GroupRequest, Handoff, make_engine
 from .stealing import MicroBatchQueue
 from .staging import RUN_ID_ENV, job_staging_dir, make_private_dir, new_run_id, remove_dir
 from .launch.failure import status_path, write_status
@@ -74,8 +76,10 @@ class Job:
         make_private_dir(self.staging_dir)
         self.staged_files: list[str] = []
         self.background_ops: list = []
-        # work stealing: the claims' store, and a rollout rank's copy of the weights to help with
-        self.store = ctrl.make_store() if cfg.trainer.work_stealing else None
+        self.pending_sends: list = []     # tail migration: this iteration's messages to tail ranks
+        # work stealing's claims and tail migration's tickets: a store; a rollout rank's copy of the
+        # weights to help with
+        self.store = ctrl.make_store() if cfg.trainer.work_stealing or cfg.rollout.migration_threshold > 0 else None
         self.helper: ShardedTrainer | None = None
 
         self.end_warned = False          # Slurm warned of the job's end, agreed by all ranks
@@ -110,7 +114,7 @@ class Job:
                     if resume else None
                 trainer.join(self.registry.get("train", table.num_train), table.train_ranks(), self.rank, shard)
             self.state = RankState(table, engine, trainer)
-            if self.store is not None and trainer is None:
+            if cfg.trainer.work_stealing and trainer is None:
                 self.helper = self.new_trainer(weights)
             ev["attrs"]["groups"] = self.registry.creations
 
@@ -199,6 +203,9 @@ class Job:
         for op in self.background_ops:
             op.wait()
         self.background_ops = []
+        for request in self.pending_sends:
+            request.wait()
+        self.pending_sends = []
 
     # --- the stages, in the order the recipe calls them ---------------------------------------
     def begin_iteration(self, it: int) -> None:
@@ -209,7 +216,7 @@ class Job:
         """Run the switch plan to `decision`'s split (options: resize.switch's registry, staging)."""
         trainer = self.state.trainer
         self.state = switch(self, it, decision, **options)
-        if self.store is not None:        # work stealing: a rank leaving training keeps its weights
+        if self.cfg.trainer.work_stealing:    # a rank leaving training keeps its weights to help with
             if self.table.trains(self.rank):
                 self.helper = None
             elif self.helper is None:
@@ -229,18 +236,81 @@ class Job:
                                                    for j in range(r.samples_per_prompt)),
                                  first_index=i * r.samples_per_prompt) for i in mine]
         self.set_status(f"rollout (iteration {it}, batch {batch}, {self.table.describe()})")
+        tails = self._tail_roster(it)
+        handoffs = []
         with self.rec.span(it, "rollout", self.role, batch=batch, groups=len(mine)) as ev:
-            generations = self.engine.generate(requests, r.temperature)
-            samples = [Sample(batch, req.first_index + j, req.prompt.index, self.rank, list(req.prompt.tokens),
-                              g.tokens, g.logprobs, req.prompt.response_lens[j],
-                              self.score(req.prompt, g.tokens, batch, req.first_index + j))
-                       for req, group in zip(requests, generations) for j, g in enumerate(group)]
-            ev["tokens"] = sum(len(s.response) for s in samples)
-            if self.score.failures:
-                ev["attrs"]["reward_errors"] = self.score.take_failures()
+            if tails is not None:
+                finished, handoffs = self.engine.generate_until(requests, r.temperature, r.migration_threshold)
+            else:
+                finished = list(zip(requests, self.engine.generate(requests, r.temperature)))
+            samples = self._samples(batch, finished, ev)
+            ev["tokens"] = sum(len(s.response) for s in samples) + sum(h.generated for h in handoffs)
             if self.cost:
-                self.emulate(ev, self.cost.rollout_time([[len(g.tokens) for g in group] for group in generations],
-                                                         [len(req.prompt.tokens) for req in requests]))
+                self.emulate(ev, self.cost.rollout_time([[len(g.tokens) for g in group] for _, group in finished],
+                                                         [len(req.prompt.tokens) for req, _ in finished]))
+        if tails is not None:
+            samples += self._migrate(it, batch, tails, handoffs)
+        return samples
+
+    def _samples(self, batch: int, finished, event: dict) -> list[Sample]:
+        """The scored samples of finished (request, generations) pairs (reward errors: on `event`)."""
+        samples = [Sample(batch, req.first_index + j, req.prompt.index, self.rank, list(req.prompt.tokens),
+                          g.tokens, g.logprobs, req.prompt.response_lens[j],
+                          self.score(req.prompt, g.tokens, batch, req.first_index + j))
+                   for req, group in finished for j, g in enumerate(group)]
+        if self.score.failures:
+            event["attrs"]["reward_errors"] = self.score.take_failures()
+        return samples
+
+    def _tail_roster(self, it: int) -> TailRoster | None:
+        """This iteration's tail ranks, taken as rollout ranks reach their cut (None: no migration)."""
+        if self.cfg.rollout.migration_threshold <= 0 or self.table.num_rollout < 2:
+            return None
+        return TailRoster(self.store, it, self.table.num_rollout, self.cfg.rollout.tail_ranks)
+
+    def _migrate(self, it: int, batch: int, tails: TailRoster, handoffs: list[Handoff]) -> list[Sample]:
+        """At this rank's cut: as one of the first to get there, a tail rank, it finishes its own
+        last sequences and then what the later ranks hand it; otherwise it hands its last sequences
+        to a tail rank (one message, maybe empty) and is done."""
+        ticket = tails.arrive(self.rank)
+        if not tails.is_tail(ticket):
+            self._hand_off(it, batch, tails.tail_of(ticket), handoffs)
+            return []
+        samples = self._continue(it, batch, handoffs, source=self.rank)
+        for _ in range(tails.expected(ticket)):
+            self.set_status(f"migrate (iteration {it}, batch {batch}: tail rank, waiting for a hand-off)")
+            message, source = self.ctrl.receive(MIGRATE_TAG)
+            sent_batch, received = pickle.loads(message)
+            if sent_batch != batch:
+                raise RuntimeError(f"rank {source} handed off batch {sent_batch} while this tail rank "
+                                   f"generates batch {batch}")
+            samples += self._continue(it, batch, received, source)
+        return samples
+
+    def _hand_off(self, it: int, batch: int, tail: int, handoffs: list[Handoff]) -> None:
+        """This rank's one message of the iteration to its tail rank: the groups it hands off."""
+        sequences = sum(h.running for h in handoffs)
+        self.set_status(f"migrate (iteration {it}, batch {batch}: {sequences} sequences to rank {tail})")
+        with self.rec.span(it, "migrate", self.role, batch=batch, to=tail, groups=len(handoffs),
+                           sequences=sequences) as ev:
+            if handoffs:
+                inject_fault(self.rank, "migrate")    # tests: a rank dies handing off its tail
+            message = pickle.dumps((batch, handoffs))
+            self.pending_sends.append(self.ctrl.post(message, tail, MIGRATE_TAG))
+            ev["bytes"] = len(message)
+
+    def _continue(self, it: int, batch: int, handoffs: list[Handoff], source: int) -> list[Sample]:
+        """A tail rank finishes handed-off groups (its own, or `source`'s): one `rollout` event."""
+        if not handoffs:
+            return []
+        self.set_status(f"migrate (iteration {it}, batch {batch}: tail rank, finishing rank {source}'s sequences)")
+        with self.rec.span(it, "rollout", self.role, batch=batch, migrated_from=source, groups=len(handoffs),
+                           sequences=sum(h.running for h in handoffs)) as ev:
+            inject_fault(self.rank, "migrate")        # tests: a tail rank dies holding migrated sequences
+            finished = list(zip([h.request for h in handoffs],
+                                self.engine.resume(handoffs, self.cfg.rollout.temperature)))
+            samples = self._samples(batch, finished, ev)
+            ev["tokens"] = sum(len(s.response) for s in samples) - sum(h.generated for h in handoffs)
         return samples
 
     def exchange(self, it: int, samples: list[Sample] | None) -> list[Sample]:
@@ -329,7 +399,7 @@ class Job:
 
     def _queue(self, batch: list[Sample]) -> MicroBatchQueue | None:
         """The shared queue of this train step's micro-batches (None without work stealing)."""
-        if self.store is None:
+        if not self.cfg.trainer.work_stealing:
             return None
         tokens = [micro_batch_tokens(mb) for mb in cut_micro_batches(batch, self.cfg.trainer.micro_batch_size)]
         return MicroBatchQueue(self.store, batch[0].batch, tokens, self.rank)

@@ -162,6 +162,14 @@ def validate(cfg: JobConfig) -> None:
     need(r.temperature >= 0, "rollout.temperature", f"is {r.temperature}", "use 0 (greedy) or more")
     need(r.release in ("sleep", "teardown", "keep"), "rollout.release", f"unknown {r.release!r}",
          "use sleep, teardown or keep")
+    need(isinstance(r.migration_threshold, int) and r.migration_threshold >= 0, "rollout.migration_threshold",
+         f"is {r.migration_threshold!r}", "use 0 (no tail migration) or a number of sequences, e.g. 2")
+    need(isinstance(r.tail_ranks, int) and r.tail_ranks >= 1, "rollout.tail_ranks", f"is {r.tail_ranks!r}",
+         "use 1 or more")
+    if r.migration_threshold > 0:
+        need(run.mode == "real", "rollout.migration_threshold",
+             f"is {r.migration_threshold} with run.mode={run.mode}: the cost model does not price a migration "
+             "yet (dynaresize-sim inside estimates it)", "use run.mode=real, or rollout.migration_threshold=0")
 
     need(math.isfinite(t.lr) and t.lr > 0, "trainer.lr", f"is {t.lr}", "use a positive, finite learning rate, e.g. 1e-6")
     need(t.micro_batch_size >= 1 and cfg.batch_size % max(t.micro_batch_size, 1) == 0,
@@ -207,6 +215,9 @@ def validate(cfg: JobConfig) -> None:
          "lower trainer.micro_batch_size or raise rollout.prompts_per_batch")
     need(not (colocated and t.work_stealing), "trainer.work_stealing",
          f"is true with policy={p.name}: every rank trains already", "drop trainer.work_stealing")
+    need(not (colocated and r.migration_threshold > 0), "rollout.migration_threshold",
+         f"is {r.migration_threshold} with policy={p.name}: every rank waits for the whole rollout before it "
+         "trains, so a rank freed early has nothing to do", "use rollout.migration_threshold=0")
     if colocated:
         need(run.max_lag == 0, "run.max_lag", "colocated ranks do rollout and training in turn, nothing overlaps",
              "use run.max_lag=0 with policy=colocated")

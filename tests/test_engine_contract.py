@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import pickle
 import sys
 
 import pytest
@@ -188,6 +189,51 @@ def test_release_and_restore(engine, initial, checkpoint):
             engine.generate(requests, 1.0)
     engine.load_weights(new)
     assert as_lists(engine.generate(requests, 1.0)) == before
+
+
+@pytest.mark.timeout(300)
+def test_a_handed_off_group_continues_where_it_stopped(engine, initial, checkpoint):
+    """Tail migration: what an engine hands off (pickled, as it travels over MPI) and resumes gives
+    the unmigrated greedy responses. Sampled, every token before the hand-off is the unmigrated
+    one, a row handed off before its first token is the unmigrated sample, and the continuation
+    is deterministic; the torch engine carries the random state over, so its responses are the
+    unmigrated ones bit for bit."""
+    new, _ = perturbed(initial, checkpoint)
+    # <eos> scores 0 (the sharpened tokens far more): responses run to their hidden lengths,
+    # which differ within a group, so that greedy rows (all alike) end apart
+    new = [(n, t.clone()) for n, t in new]
+    dict(new)["lm_head.weight"][EOS_ID] = 0
+    engine.load_weights(new)
+    requests = [GroupRequest(dataclasses.replace(p, response_lens=(n, n - 3, n - 6)), (31 + i, 41 + i, 51 + i),
+                             first_index=3 * i) for i, (p, n) in enumerate(zip(prompts(4, batch=5), (20, 16, 12, 9)))]
+    by_index = {r.prompt.index: r for r in requests}
+    exact = engine.name == "torch"
+    for temperature in (0.0, 1.0):
+        reference = {r.prompt.index: as_lists([g])[0] for r, g in zip(requests, engine.generate(requests, temperature))}
+        mid_sequence = 0
+        for threshold in (2, 5, 3 * len(requests)):
+            finished, handoffs = engine.generate_until(requests, temperature, threshold)
+            assert sum(h.running for h in handoffs) <= threshold, threshold
+            assert sorted([r.prompt.index for r, _ in finished] + [h.request.prompt.index for h in handoffs]) == \
+                sorted(by_index), "a group was lost or duplicated"
+            handoffs = pickle.loads(pickle.dumps(handoffs))
+            resumed = engine.resume(handoffs, temperature)
+            assert as_lists(engine.resume(handoffs, temperature)) == as_lists(resumed), "not deterministic"
+            got = {r.prompt.index: as_lists([g])[0] for r, g in finished}
+            got |= {h.request.prompt.index: as_lists([g])[0] for h, g in zip(handoffs, resumed)}
+            prefix = {h.request.prompt.index: h.prefix_lens for h in handoffs}
+            mid_sequence += sum(0 < n < len(want) for h in handoffs
+                                for n, (want, _) in zip(h.prefix_lens, reference[h.request.prompt.index]))
+            for index, rows in got.items():
+                for j, ((tokens, logprobs), (want, want_logprobs)) in enumerate(zip(rows, reference[index])):
+                    k = prefix[index][j] if index in prefix else len(want)
+                    assert tokens[:k] == want[:k], (temperature, threshold, index, j)
+                    if exact or temperature == 0 or k == 0:
+                        assert tokens == want, (temperature, threshold, index, j)
+                        assert max(abs(x - y) for x, y in zip(logprobs, want_logprobs)) <= (0.0 if exact else 1e-3)
+                    assert len(logprobs) == len(tokens) >= 1
+                    assert tokens[-1] == EOS_ID or len(tokens) == by_index[index].prompt.response_lens[j]
+        assert mid_sequence > 0, f"temperature {temperature}: no row was handed off in the middle of its response"
 
 
 # --- vLLM end to end ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ batch or which rank runs it. The torch and vLLM engines pass the same contract t
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Protocol
@@ -33,11 +34,41 @@ class Generation:
     logprobs: list[float]        # behaviour-policy log-probabilities of `tokens`
 
 
+@dataclass
+class Handoff:
+    """A prompt group whose generation moves to another rank (tail migration): `state` is what the
+    engine needs to continue it where it stopped (engine-specific, picklable), None if not started."""
+    request: GroupRequest
+    state: object = None
+    running: int = 0                     # its sequences not finished: what moves
+    prefix_lens: tuple[int, ...] = ()    # tokens each row had generated before the hand-off
+
+    @property
+    def generated(self) -> int:
+        return sum(self.prefix_lens)
+
+
+def continuation_seed(seed: int, position: int) -> int:
+    """The seed a sample continues with after a migration at `position` tokens, where the engine
+    cannot carry its random state over (vLLM): a fixed function of the sample's seed and the
+    position, so the continuation is deterministic."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class RolloutEngine(Protocol):
     name: str
 
     def generate(self, requests: list[GroupRequest], temperature: float) -> list[list[Generation]]:
         """One list of Generations per request, in request order."""
+
+    def generate_until(self, requests: list[GroupRequest], temperature: float,
+                       threshold: int) -> tuple[list[tuple[GroupRequest, list[Generation]]], list[Handoff]]:
+        """Tail migration: generate until `threshold` or fewer sequences are left, hand the rest
+        off; the finished groups and the handoffs."""
+
+    def resume(self, handoffs: list[Handoff], temperature: float) -> list[list[Generation]]:
+        """Finish handed-off groups exactly as the engine that started them would have."""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the weights in place (Hugging Face parameter names)."""

@@ -41,7 +41,7 @@ import torch
 
 from ..config import RolloutConfig
 from ..model import eos_token_ids
-from .base import Generation, GroupRequest
+from .base import Generation, GroupRequest, Handoff, continuation_seed
 
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
 _WEIGHTS_FILE = "model.safetensors"
@@ -71,6 +71,7 @@ class VLLMEngine:
         self._tmp = tempfile.mkdtemp(prefix="dynaresize-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self._tmp, True)
         self._names: list[str] | None = None
+        self._serial = 0                           # generate_until's batches (unique request ids)
         self._start()
 
     @classmethod
@@ -176,35 +177,104 @@ class VLLMEngine:
 
     # --- generation ----------------------------------------------------------------------------
     def generate(self, requests: list[GroupRequest], temperature: float) -> list[list[Generation]]:
-        self._ready()
-        if not self.weights_current:
-            raise RuntimeError("the vLLM engine was restored but has not been given the current weights: "
-                               "call load_weights() after restore()")
+        self._check_weights()
         if not requests:
             return []
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts, params = [], []
         for req in requests:
             for seed, length in zip(req.seeds, req.prompt.response_lens, strict=True):
                 prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt.tokens)))
-                params.append(SamplingParams(n=1, temperature=temperature, seed=seed,
-                                             max_tokens=length, logprobs=0,
-                                             stop_token_ids=self.eos_ids, detokenize=False,
-                                             ignore_eos=self.cfg.ignore_eos))
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        out, k = [], 0
-        for req in requests:
-            group = []
-            for _ in req.seeds:
-                completion = outputs[k].outputs[0]
-                tokens = list(completion.token_ids)
-                logprobs = [float(step[token].logprob) for token, step in zip(tokens, completion.logprobs)]
-                group.append(Generation(tokens, logprobs))
-                k += 1
-            out.append(group)
+                params.append(self._params(temperature, seed, length))
+        outputs = iter(self.llm.generate(prompts, params, use_tqdm=False))
+        return [[_generation(next(outputs).outputs[0]) for _ in req.seeds] for req in requests]
+
+    def generate_until(self, requests: list[GroupRequest], temperature: float,
+                       threshold: int) -> tuple[list[tuple[GroupRequest, list[Generation]]], list[Handoff]]:
+        """Tail migration: step vLLM's engine until `threshold` or fewer of the samples are
+        unfinished (running or waiting), abort those and hand their groups off, each with the
+        tokens its rows have so far (finished rows ride along). vLLM keeps no state worth moving
+        here: the tail rank re-prefills prompt + prefix (`resume`)."""
+        self._check_weights()
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        self._serial += 1
+        ids = {}                                   # request id -> (group, row)
+        for i, req in enumerate(requests):
+            for j, (seed, length) in enumerate(zip(req.seeds, req.prompt.response_lens, strict=True)):
+                rid = f"dynaresize-migrate-{self._serial}-{i}-{j}"
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt.tokens)),
+                                   self._params(temperature, seed, length, RequestOutputKind.CUMULATIVE))
+                ids[rid] = (i, j)
+        latest = {}
+        while engine.has_unfinished_requests() and engine.get_num_unfinished_requests() > threshold:
+            for out in engine.step():
+                latest[out.request_id] = out
+        running = [rid for rid in ids if rid not in latest or not latest[rid].finished]
+        if running:
+            engine.abort_request(running)
+        rows: list[dict] = [{} for _ in requests]
+        for rid, (i, j) in ids.items():
+            g = _generation(latest[rid].outputs[0]) if rid in latest else Generation([], [])
+            rows[i][j] = (g, rid not in running)
+        finished, handoffs = [], []
+        for req, group in zip(requests, rows):
+            if all(done for _, done in group.values()):
+                finished.append((req, [group[j][0] for j in range(len(req.seeds))]))
+            else:
+                state = [(g.tokens, g.logprobs, done) for g, done in (group[j] for j in range(len(req.seeds)))]
+                handoffs.append(Handoff(req, state, running=sum(not done for _, _, done in state),
+                                        prefix_lens=tuple(len(tokens) for tokens, _, _ in state)))
+        return finished, handoffs
+
+    def resume(self, handoffs: list[Handoff], temperature: float) -> list[list[Generation]]:
+        """Finish handed-off groups: an unfinished row re-prefills prompt + its prefix and continues
+        with the seed `continuation_seed(seed, prefix length)` (its own seed if it had no token
+        yet), to its hidden length or <eos>. Greedy continuations are the unmigrated ones (up to
+        ties in the logits); sampled ones are deterministic but not those of an unmigrated run."""
+        self._check_weights()
+        from vllm.inputs import TokensPrompt
+
+        prompts, params, where = [], [], []
+        out = []
+        for h in handoffs:
+            req = h.request
+            state = h.state or [([], [], False)] * len(req.seeds)
+            out.append([Generation(list(t), list(lp)) for t, lp, _ in state])
+            for j, ((tokens, _, done), seed, length) in enumerate(zip(state, req.seeds, req.prompt.response_lens)):
+                if not done:
+                    prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt.tokens) + list(tokens)))
+                    params.append(self._params(temperature, continuation_seed(seed, len(tokens)) if tokens else seed,
+                                               length - len(tokens)))
+                    where.append((len(out) - 1, j))
+        if prompts:
+            for (g, j), result in zip(where, self.llm.generate(prompts, params, use_tqdm=False)):
+                more = _generation(result.outputs[0])
+                out[g][j].tokens += more.tokens
+                out[g][j].logprobs += more.logprobs
         return out
+
+    def _check_weights(self) -> None:
+        self._ready()
+        if not self.weights_current:
+            raise RuntimeError("the vLLM engine was restored but has not been given the current weights: "
+                               "call load_weights() after restore()")
+
+    def _params(self, temperature: float, seed: int, max_tokens: int, kind=None):
+        from vllm import SamplingParams
+        extra = {} if kind is None else {"output_kind": kind}
+        return SamplingParams(n=1, temperature=temperature, seed=seed, max_tokens=max_tokens, logprobs=0,
+                              stop_token_ids=self.eos_ids, detokenize=False, ignore_eos=self.cfg.ignore_eos,
+                              **extra)
+
+
+def _generation(completion) -> Generation:
+    """A vLLM completion's tokens and the sampled tokens' log-probabilities."""
+    tokens = list(completion.token_ids)
+    return Generation(tokens, [float(step[token].logprob) for token, step in zip(tokens, completion.logprobs or [])])
 
 
 # --- in vLLM's worker process ------------------------------------------------------------------

@@ -29,8 +29,9 @@ SCHEMA_VERSION = 1
 ROLES = ("train", "rollout", "both", "none")
 
 # Stage names: useful work of an iteration. "steal": a micro-batch of the train step computed by a
-# rank outside the train group (work stealing, dynaresize/stealing.py).
-STAGES = ("rollout", "train", "weight_sync", "exchange", "steal")
+# rank outside the train group (work stealing, dynaresize/stealing.py); "migrate": a rollout rank
+# handing its last sequences to a tail rank (tail migration, dynaresize/migration.py).
+STAGES = ("rollout", "train", "weight_sync", "exchange", "steal", "migrate")
 # Switch operations: the fine-grained plan of one resize (see dynaresize.resize).
 SWITCH_OPS = ("drain", "release", "stage_out", "reshard", "stage_in", "engine_start",
               "weight_load", "group_switch", "commit")

@@ -30,7 +30,8 @@ def hf_greedy(model, prompt: list[int], cap: int) -> tuple[list[int], list[float
 def vllm_sync(ctrl, out_dir: str) -> dict:
     """1 train rank, 2 vLLM rollout ranks: two GRPO steps with weight syncs, then the rollout ranks'
     greedy outputs equal the trainer's model's own greedy decoding, and their weights equal the
-    trainer's bit for bit."""
+    trainer's bit for bit. With tail migration on, the rollout rank at its cut second hands its
+    last sequences to the first, which re-prefills and continues them (greedy: the same tokens)."""
     from scenarios import job_config
 
     from dynaresize.flat import model_to_flat
@@ -40,7 +41,7 @@ def vllm_sync(ctrl, out_dir: str) -> dict:
 
     t0 = time.perf_counter()
     cfg = job_config(out_dir, cluster={"ranks": 3}, policy={"train_ranks": 1},
-                     rollout={"engine": "vllm", "temperature": 1.0}, trainer={"lr": 1e-2})
+                     rollout={"engine": "vllm", "temperature": 1.0, "migration_threshold": 6}, trainer={"lr": 1e-2})
     job = Job(cfg, ctrl)
     startup = time.perf_counter() - t0
     assert (job.engine is not None) == (ctrl.rank in (1, 2)), "ranks 1 and 2 roll out with vLLM"
@@ -73,6 +74,9 @@ def vllm_sync(ctrl, out_dir: str) -> dict:
             assert torch.equal(got, trained), f"rank {rank}: max diff {float((got - trained).abs().max())}"
         prompts = make_batch(cfg.workload, cfg.run.seed, 2, cfg.rollout.prompts_per_batch, cfg.rollout.samples_per_prompt)
         assert {s.rank for s in greedy} == {1, 2}, {s.rank for s in greedy}
+        # each rank's own share is half the samples; the tail rank finished more
+        migrated = max(sum(s.rank == r for s in greedy) for r in (1, 2)) - len(greedy) // 2
+        assert migrated > 0, "no rollout rank handed anything off to the other"
         reference = {p.index: hf_greedy(job.trainer.model, list(p.tokens), max(p.response_lens)) for p in prompts}
         changed = sum(reference[p.index][0] != hf_greedy(initial_model, list(p.tokens), max(p.response_lens))[0]
                       for p in prompts)
@@ -83,7 +87,8 @@ def vllm_sync(ctrl, out_dir: str) -> dict:
             assert max(abs(a - b) for a, b in zip(s.logprobs, want_lp)) < 1e-3, f"sample {s.index}: logprobs"
         assert changed > 0, "the update did not change any greedy output: the comparison would prove nothing"
         result = {"samples": len(greedy), "tokens": sum(len(s.response) for s in greedy),
-                  "prompts_changed_by_training": changed, "startup_s": round(startup, 2),
+                  "prompts_changed_by_training": changed, "migrated_samples": migrated,
+                  "startup_s": round(startup, 2),
                   "greedy_rollout_s": round(greedy_s, 2)}
     timings = ctrl.gather(job.engine.timings if job.engine is not None else None)
     if ctrl.rank == 0:
