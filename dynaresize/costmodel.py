@@ -199,6 +199,48 @@ class CostModel:
         response lengths response_lens[i, :]) runs on rank assign[i]."""
         return self.rollout_from_features(self.rollout_rank_features(assign, prompt_lens, response_lens, ranks))
 
+    def rollout_cuts(self, assign, prompt_lens, response_lens, ranks: int,
+                     threshold: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Tail migration under continuous batching: the seconds at which each rollout rank is down
+        to `threshold` or fewer unfinished sequences (its cut; with 0, its end: rollout_times), and
+        the sequences it has left then, each as (its rank, tokens still to generate, context tokens
+        so far). A rank admits its groups in index order, as rollout_rank_features."""
+        if not self.continuous:
+            raise ValueError("tail migration is priced for continuous batching only (a GPU profile)")
+        c = self.coef.rollout
+        P, L = np.asarray(prompt_lens, dtype=np.float64), np.asarray(response_lens, dtype=np.int64)
+        assign = np.asarray(assign, dtype=np.int64)
+        spp = L.shape[1]
+        # every sequence, ordered as a rank admits them: its groups in index order, samples in order
+        order = np.argsort(assign, kind="stable")
+        rank = np.repeat(assign[order], spp)
+        prompt = np.repeat(P[order], spp)
+        length = L[order].ravel()
+        n = np.bincount(rank, minlength=ranks)
+        first = np.concatenate(([0], np.cumsum(n)[:-1]))
+        tokens = np.bincount(rank, weights=length, minlength=ranks)
+        kv = np.bincount(rank, weights=prompt * length + length * (length - 1) / 2, minlength=ranks)
+        slots = self.decode_slots(tokens, kv)
+        start = np.zeros(len(length), dtype=np.int64)
+        for r in np.flatnonzero(n > slots).tolist():          # queued ranks: continuous batching's admission
+            start[first[r]:first[r] + n[r]] = list_schedule(length[first[r]:first[r] + n[r]].tolist(),
+                                                            int(slots[r]))[0]
+        end = start + length
+        groups = np.bincount(assign, minlength=ranks).astype(np.float64)
+        fixed = c.base_s + c.per_group_s * groups + c.per_prompt_token_s * np.bincount(rank, weights=prompt,
+                                                                                        minlength=ranks)
+        # the step of the cut: when the rank's (n - threshold)-th sequence ends
+        ends = end[np.lexsort((end, rank))]                    # by rank, then by end
+        pos = np.minimum(first + np.maximum(n - threshold - 1, 0), max(len(end) - 1, 0))
+        cut = np.where(n > threshold, ends[pos] if len(end) else 0, 0).astype(np.float64)
+        done = np.clip(cut[rank] - start, 0, length)
+        cut_s = self.scale * (fixed + c.per_step_s * cut
+                              + c.per_token_s * np.bincount(rank, weights=done, minlength=ranks)
+                              + c.per_kv_token_s * np.bincount(rank, weights=done * prompt + done * (done - 1) / 2,
+                                                               minlength=ranks))
+        left = done < length
+        return cut_s, rank[left], (length - done)[left], (prompt + done)[left]
+
     def rollout_features(self, groups: Sequence, prompt_lens: Sequence[int] | None = None,
                          samples_per_prompt: int | None = None) -> dict[str, float]:
         """Work of one rank's rollout: `groups` is one entry per prompt group, either the response

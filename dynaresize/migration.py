@@ -13,9 +13,15 @@ without waiting for it to be received), empty if the rank had nothing left at it
 The engine hands a running group off with what it needs to continue it (rollout.base.Handoff):
 the torch engine its whole state, so every token and log-probability is the one the source would
 have produced; vLLM the tokens so far, re-prefilled by the tail. Which rank finishes a sample
-depends on timing; what it generates does not. No torch here.
+depends on timing; what it generates does not.
+
+The simulator and the dynamic policy price the same hand-offs (`tail_schedule`), with the cut of
+each rank and the re-prefill of its last sequences priced by the cost model (CostModel.rollout_cuts).
+No torch here.
 """
 from __future__ import annotations
+
+import numpy as np
 
 # MPI tag of a rank's message to its tail rank (the other control-plane traffic is collective).
 MIGRATE_TAG = 71
@@ -44,8 +50,42 @@ class TailRoster:
 
     def tail_of(self, ticket: int) -> int:
         """The rank a later arrival hands off to (waits until that tail rank has published it)."""
-        return int(self.store.get(f"{self.key}/tail/{(ticket - self.tails) % self.tails}"))
+        return int(self.store.get(f"{self.key}/tail/{dealt_to(ticket, self.tails)}"))
 
     def expected(self, ticket: int) -> int:
         """How many later arrivals hand off to the tail rank of `ticket`."""
         return len(range(self.tails + ticket, self.ranks, self.tails))
+
+
+def priced_migration(rollout, cm) -> tuple[int, int] | None:
+    """(threshold, tail ranks) of `rollout` (config.RolloutConfig) for IterationModel, when the cost
+    model `cm` can price tail migration (continuous batching), else None."""
+    if rollout.migration_threshold <= 0 or not cm.continuous:
+        return None
+    return rollout.migration_threshold, rollout.tail_ranks
+
+
+def dealt_to(ticket: int, tails: int) -> int:
+    """The tail ticket a later arrival (ticket >= tails) hands off to: dealt in turn."""
+    return (ticket - tails) % tails
+
+
+def tail_schedule(cut_s, finish_s, tail_ranks: int) -> tuple[np.ndarray, list[tuple[int, int, float, float]]]:
+    """When each rollout rank is done with its rollout under tail migration, as the runtime runs it:
+    rank r reaches its cut at `cut_s[r]` and its last sequences take `finish_s[r]` on a tail rank
+    (0: none left). Tickets go in the order of the cuts (ties: the lower rank); a tail rank finishes
+    its own last sequences, then each later arrival's in ticket order, each from when it arrives.
+    Returns (each rank's end, the continuations as (tail rank, rank handing off, start, end))."""
+    cut_s = np.asarray(cut_s, dtype=np.float64)
+    finish_s = np.asarray(finish_s, dtype=np.float64)
+    order = np.argsort(cut_s, kind="stable")
+    tails = min(tail_ranks, len(order) - 1)
+    end = cut_s.copy()
+    continuations = []
+    for ticket, rank in enumerate(order.tolist()):
+        tail = rank if ticket < tails else int(order[dealt_to(ticket, tails)])
+        if finish_s[rank] > 0:
+            start = max(cut_s[rank], end[tail])
+            end[tail] = start + finish_s[rank]
+            continuations.append((tail, rank, float(start), float(end[tail])))
+    return end, continuations

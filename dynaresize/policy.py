@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .migration import priced_migration
 from .prediction import IterationModel, LengthForecast, Prediction
 
 
@@ -155,8 +156,10 @@ class DynamicPolicy(Policy):
         super().__init__(job, cost)
         if cost is None:
             raise ValueError("the dynamic policy prices splits with a cost model: give make_policy one")
+        # a run whose cost model cannot price tail migration (the torch engine's) predicts without it
         self.model = IterationModel(cost, self.world, self.max_lag, job.trainer.micro_batch_size,
-                                    self.cfg.resize_unit, job.trainer.work_stealing, job.rollout.release)
+                                    self.cfg.resize_unit, job.trainer.work_stealing, job.rollout.release,
+                                    priced_migration(job.rollout, cost))
         r = job.rollout
         self.forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
         self.iterations = job.run.iterations

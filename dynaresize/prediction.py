@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from .costmodel import CostModel
+from .migration import tail_schedule
 from .placement import assign_micro_batches, place_prompts
 from .stealing import claim_schedule, queue_order
 from .shapes import batch_shape, generated_prompts, response_cap, task_index
@@ -80,9 +81,10 @@ class IterationModel:
     """Prices iterations and switches of a job of `world` ranks (see the module docstring)."""
 
     def __init__(self, cm: CostModel, world: int, max_lag: int, micro_batch_size: int, resize_unit: int = 1,
-                 work_stealing: bool = False, release_mode: str = "sleep"):
+                 work_stealing: bool = False, release_mode: str = "sleep", migration: tuple[int, int] | None = None):
         self.cm, self.world, self.lag, self.mbs = cm, world, max_lag, micro_batch_size
         self.work_stealing = work_stealing
+        self.migration = migration          # tail migration: (rollout.migration_threshold, rollout.tail_ranks)
         self.engine_times = cm.helper_engine_times(release_mode)   # a helper's engine: (sleep, wake)
         unit = max(resize_unit, 1)
         self.candidates = list(range(unit, world - unit + 1, unit))
@@ -106,14 +108,31 @@ class IterationModel:
         return float(self.rollout_times(batch, k).max())
 
     def rollout_times(self, batch: Lengths, k: int) -> np.ndarray:
-        """Each rollout rank's time on the split of k train ranks (read-only: kept for the batch)."""
+        """Each rollout rank's time on the split of k train ranks, until it is done with its
+        rollout (read-only: kept for the batch). With tail migration: its cut, or a tail rank's
+        last continuation (migration.tail_schedule)."""
         def price() -> np.ndarray:
             R = self.world - k
-            times = self.cm.rollout_times(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
-                                          batch.response_lens, R)
+            if self.migration is not None and R >= 2:
+                cut, finish, _ = self.rollout_cuts(batch, k)
+                times = tail_schedule(cut, finish, self.migration[1])[0]
+            else:
+                times = self.cm.rollout_times(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
+                                              batch.response_lens, R)
             times.flags.writeable = False
             return times
         return self._memo(batch, ("rollout", k), price)
+
+    def rollout_cuts(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Tail migration on the split of k train ranks: each rollout rank's cut (CostModel.rollout_cuts),
+        what its last sequences take on a tail rank, which re-prefills their context and generates
+        them as one batch (0: none left), and their tokens."""
+        R = self.world - k
+        cut, rank, rem, ctx = self.cm.rollout_cuts(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
+                                                   batch.response_lens, R, self.migration[0])
+        finish = self.cm.rollout_times(rank, ctx, rem[:, None], R)
+        left = np.bincount(rank, minlength=R)
+        return cut, np.where(left > 0, finish, 0.0), np.bincount(rank, weights=rem, minlength=R)
 
     def micro_batch_tokens(self, batch: Lengths) -> np.ndarray:
         """The tokens of each micro-batch of the trained samples, in index order (as the trainer cuts them)."""

@@ -167,9 +167,10 @@ def validate(cfg: JobConfig) -> None:
     need(isinstance(r.tail_ranks, int) and r.tail_ranks >= 1, "rollout.tail_ranks", f"is {r.tail_ranks!r}",
          "use 1 or more")
     if r.migration_threshold > 0:
-        need(run.mode == "real", "rollout.migration_threshold",
-             f"is {r.migration_threshold} with run.mode={run.mode}: the cost model does not price a migration "
-             "yet (dynaresize-sim inside estimates it)", "use run.mode=real, or rollout.migration_threshold=0")
+        need(run.mode != "emulate", "rollout.migration_threshold",
+             f"is {r.migration_threshold} with run.mode=emulate: an emulated stage lasts its price, but the "
+             "torch engine's hand-off is not priced (the simulator prices vLLM's)",
+             "use run.mode=real or dynaresize-sim, or rollout.migration_threshold=0")
 
     need(math.isfinite(t.lr) and t.lr > 0, "trainer.lr", f"is {t.lr}", "use a positive, finite learning rate, e.g. 1e-6")
     need(t.micro_batch_size >= 1 and cfg.batch_size % max(t.micro_batch_size, 1) == 0,

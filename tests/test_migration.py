@@ -7,6 +7,7 @@ import json
 import pickle
 import time
 
+import numpy as np
 import pytest
 
 from conftest import run_cli
@@ -14,7 +15,7 @@ from test_resize import assert_same_rl, timeline
 from test_stealing import steals
 
 from dynaresize.config import ModelConfig, RolloutConfig, WorkloadConfig
-from dynaresize.migration import TailRoster
+from dynaresize.migration import TailRoster, tail_schedule
 from dynaresize.model import prepare_checkpoint
 from dynaresize.rollout.base import GroupRequest, make_engine
 from dynaresize.workload import make_batch
@@ -108,3 +109,49 @@ def test_a_rank_killed_while_migrating_ends_the_job_naming_the_operation(tmp_pat
     assert proc.returncode != 0
     assert "rank 2 died" in proc.stderr and "during migrate" in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 60
+
+
+def test_tail_schedule_prices_the_runtimes_hand_offs():
+    """The first ranks at their cut finish their own last sequences, then the later ranks' in
+    ticket order, each from when it arrives (dealt in turn over the tail ranks)."""
+    cut, finish = [1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 2.0, 1.0]
+    end, continuations = tail_schedule(cut, finish, tail_ranks=1)
+    assert end.tolist() == [6.0, 2.0, 3.0, 4.0]
+    assert continuations == [(0, 0, 1.0, 1.5), (0, 2, 3.0, 5.0), (0, 3, 5.0, 6.0)]
+    end, _ = tail_schedule(cut, finish, tail_ranks=2)      # tickets 2 and 3 go to the tails of 0 and 1
+    assert end.tolist() == [5.0, 5.0, 3.0, 4.0]
+    end, _ = tail_schedule([3.0, 1.0], [1.0, 1.0], tail_ranks=1)   # tickets follow the cuts, not the ranks
+    assert end.tolist() == [3.0, 4.0]
+
+
+def test_simulated_migration_is_the_policys_prediction(tmp_path):
+    """The simulator's rollout stage with tail migration is IterationModel's (the dynamic policy's
+    prediction): every rank to its cut, a `migrate` event where it hands off, one `rollout` event
+    per continuation, tokens counted once."""
+    from dynaresize.prediction import Lengths
+    from dynaresize.sim import setup_from_overrides, simulate
+    from dynaresize.sim.core import Simulator
+    from dynaresize.timeline.reader import read_arrays
+    setup = setup_from_overrides(["+experiment=suite", "workload=stationary", "cluster.ranks=64", "run.iterations=4",
+                                  "policy=static", "policy.train_ranks=32", "sim.noise=0",
+                                  "rollout.migration_threshold=1", "rollout.tail_ranks=2"])
+    ev = read_arrays(simulate(setup, tmp_path / "run"), ("events",))[1]["events"]
+    sim = Simulator(setup, tmp_path / "model")
+    for it in range(4):
+        rollout = ev[(ev["name"] == b"rollout") & (ev["iteration"] == it)]
+        predicted = sim.model.rollout_times(Lengths.of(sim.batch(it)), 32)
+        ends = np.full(64, -np.inf)
+        np.maximum.at(ends, rollout["rank"], rollout["end"])
+        start = rollout["start"].min()
+        assert ends[32:] - start == pytest.approx(predicted, rel=1e-9, abs=1e-9)
+        moved = ev[(ev["name"] == b"migrate") & (ev["iteration"] == it)]
+        continued = [json.loads(a or b"{}").get("migrated_from") for a in rollout["attrs"]]
+        assert len(moved) > 0 and {int(r) for r in moved["rank"]} <= {c for c in continued if c is not None}
+        assert rollout["tokens"].sum() == sim.batch(it).response_lens.sum()
+
+
+def test_migration_is_priced_only_for_continuous_batching():
+    from dynaresize.sim import setup_from_overrides
+    from dynaresize.sim.core import Simulator
+    with pytest.raises(ValueError, match="continuous"):
+        Simulator(setup_from_overrides(["+hardware=cpu_tiny", "rollout.migration_threshold=1"]))

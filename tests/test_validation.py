@@ -79,7 +79,7 @@ CASES = {
     "migration_colocated": (["policy=colocated", "run.max_lag=0", "rollout.migration_threshold=2"],
                             "rollout.migration_threshold", ["policy=colocated"]),
     "migration_emulated": (["run.mode=emulate", "rollout.migration_threshold=2"], "rollout.migration_threshold",
-                           ["run.mode=real"]),
+                           ["run.mode=real or dynaresize-sim"]),
     "colocated_overlap": (["policy=colocated", "run.max_lag=1"], "run.max_lag", ["policy=colocated"]),
     "fp16_on_cpu": (["model.dtype=float16"], "model.dtype", ["cluster.device=cpu"]),
     "cuda_without_gpu": (["cluster.device=cuda"], "cluster.device", ["cluster.device=cpu"]),

@@ -37,6 +37,7 @@ from .. import __version__
 from ..costmodel import CostModel
 from .. import switchplan
 from ..loop import run_iterations
+from ..migration import priced_migration, tail_schedule
 from ..placement import place_prompts
 from ..policy import POLICIES, Decision, IterationStats, make_policy
 from ..prediction import IterationModel, Lengths, Prediction
@@ -75,8 +76,12 @@ class Simulator:
                                                                   and total_samples <= SAMPLE_ROWS_LIMIT)
         self._predictions: dict[tuple[int, int], Prediction] = {}
         self.work_stealing = cfg.trainer.work_stealing
+        self.migration = priced_migration(cfg.rollout, self.cm)
+        if cfg.rollout.migration_threshold > 0 and self.migration is None:
+            raise ValueError("rollout.migration_threshold: the simulator prices tail migration for continuous "
+                             "batching only; use a GPU profile (hardware=h100, h200) or migration_threshold=0")
         self.model = IterationModel(self.cm, self.W, self.lag, self.mbs, cfg.policy.resize_unit, self.work_stealing,
-                                    cfg.rollout.release)
+                                    cfg.rollout.release, self.migration)
 
         kind = POLICIES[cfg.policy.name]
         self.colocated = kind.colocated
@@ -220,15 +225,36 @@ class Simulator:
         rr = self.rollout_ranks()
         R = len(rr)
         assign = place_prompts(shape.prompt_lens, R)
-        dur = cm.rollout_times(assign, shape.prompt_lens, shape.response_lens, R) * self._noise(R)
         tokens = np.bincount(assign, weights=shape.response_lens.sum(axis=1), minlength=R)
-        self.events.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens)
+        if self.migration is not None and R >= 2:
+            dur = self.price_migration(it, t, roles, rr, Lengths.of(shape), tokens)
+        else:
+            dur = cm.rollout_times(assign, shape.prompt_lens, shape.response_lens, R) * self._noise(R)
+            self.events.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens)
         t[rr] += dur
         self.rollout_time = float(dur.max())
         self.lengths = Lengths.of(shape)
         if self.record_samples:
             self.rows["samples"].append(self.sample_rows(it, b, shape, rr[assign]))
         return b
+
+    def price_migration(self, it, t, roles, rr, batch: Lengths, tokens) -> np.ndarray:
+        """Tail migration (Job._migrate): every rollout rank generates to its cut, the first at
+        theirs finish their own last sequences and then the later ranks' (migration.tail_schedule,
+        the policy's prediction); a `migrate` event where a rank hands off, a `rollout` event per
+        continuation. Returns each rollout rank's time until it is done."""
+        cut, finish, left = self.model.rollout_cuts(batch, self.k)
+        noise = self._noise(len(rr))
+        cut_at = t[rr] + cut * noise
+        end, continuations = tail_schedule(cut_at, finish * noise, self.migration[1])
+        self.events.add(it, rr, roles[rr], "rollout", t[rr], cut_at, tokens=tokens - left)
+        for tail, source, start, stop in continuations:
+            on, by = rr[[tail]], rr[[source]]
+            if tail != source:
+                self.events.add(it, by, roles[by], "migrate", cut_at[source], cut_at[source], attrs={"to": int(on[0])})
+            self.events.add(it, on, roles[on], "rollout", start, stop, tokens=left[source],
+                            attrs={"migrated_from": int(by[0])})
+        return end - t[rr]
 
     def exchange(self, it: int, b: int | None) -> int | None:
         dur = self.cm.exchange_time(self.exchanged_tokens(b), self.W) * self._noise()

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..costmodel import CostModel, list_schedule
+from ..costmodel import CostModel
 from ..placement import place_prompts, serpentine
 from ..prediction import IterationModel, Lengths, Prediction
 
@@ -70,43 +70,13 @@ def rollout_with_migration(cm: CostModel, batch: Lengths, ranks: int, mech: Mech
     if not cm.continuous:
         raise ValueError("the inside-iteration estimate needs a continuous-batching profile (e.g. h100)")
     c, scale = cm.coef.rollout, cm.scale
-    P, L = np.asarray(batch.prompt_lens, dtype=np.float64), np.asarray(batch.response_lens, dtype=np.int64)
-    spp = L.shape[1]
     assign = place_prompts(batch.prompt_lens, ranks) if assign is None else assign
-    # every sequence, ordered as a rank admits them: its groups in index order, samples in order
-    order = np.argsort(assign, kind="stable")
-    rank = np.repeat(assign[order], spp)
-    prompt = np.repeat(P[order], spp)
-    length = L[order].ravel()
-    n = np.bincount(rank, minlength=ranks)
-    first = np.concatenate(([0], np.cumsum(n)[:-1]))
-    tokens = np.bincount(rank, weights=length, minlength=ranks)
-    kv = np.bincount(rank, weights=prompt * length + length * (length - 1) / 2, minlength=ranks)
-    slots = cm.decode_slots(tokens, kv)
-    start = np.zeros(len(length), dtype=np.int64)
-    for r in np.flatnonzero(n > slots).tolist():          # queued ranks: continuous batching's admission
-        start[first[r]:first[r] + n[r]] = list_schedule(length[first[r]:first[r] + n[r]].tolist(), int(slots[r]))[0]
-    end = start + length
-    groups = np.bincount(assign, minlength=ranks).astype(np.float64)
-    fixed = c.base_s + c.per_group_s * groups + c.per_prompt_token_s * np.bincount(rank, weights=prompt,
-                                                                                    minlength=ranks)
-    # the step at which a rank hands on its tail: when `threshold` or fewer of its sequences run
-    if mech is None:                                       # every rank to its last sequence's end
-        cut = np.zeros(ranks)
-        np.maximum.at(cut, rank, end)
-    else:                                                  # its (n - threshold)-th sequence to end
-        ends = end[np.lexsort((end, rank))]                # by rank, then by end
-        pos = np.minimum(first + np.maximum(n - mech.threshold - 1, 0), len(end) - 1)
-        cut = np.where(n > mech.threshold, ends[pos], 0).astype(np.float64)
-    done = np.clip(cut[rank] - start, 0, length)
-    free = scale * (fixed + c.per_step_s * cut + c.per_token_s * np.bincount(rank, weights=done, minlength=ranks)
-                    + c.per_kv_token_s * np.bincount(rank, weights=done * prompt + done * (done - 1) / 2,
-                                                     minlength=ranks))
-    left = done < length
-    if mech is None or not left.any():
+    free, rank, rem, ctx = cm.rollout_cuts(assign, batch.prompt_lens, batch.response_lens, ranks,
+                                           0 if mech is None else mech.threshold)
+    if mech is None or not len(rem):
         return float(free.max()), free
     # the tail: sequences in order of arrival, dealt round robin over the ranks free first
-    arrive, rem, ctx = free[rank[left]], (length - done)[left], (prompt + done)[left]
+    arrive = free[rank]
     tail = max(int(round(ranks * mech.tail_share)), math.ceil(len(rem) / cm.max_num_seqs), 1)
     tail = min(tail, ranks)
     tail_ranks = np.argsort(free, kind="stable")[:tail]
