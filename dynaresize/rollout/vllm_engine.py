@@ -213,21 +213,21 @@ class VLLMEngine:
         while engine.has_unfinished_requests() and engine.get_num_unfinished_requests() > threshold:
             for out in engine.step():
                 latest[out.request_id] = out
-        running = [rid for rid in ids if rid not in latest or not latest[rid].finished]
+        running = {rid for rid in ids if rid not in latest or not latest[rid].finished}
         if running:
-            engine.abort_request(running)
-        rows: list[dict] = [{} for _ in requests]
+            engine.abort_request(list(running))
+        rows = [[None] * len(req.seeds) for req in requests]     # (generation so far, finished?)
         for rid, (i, j) in ids.items():
-            g = _generation(latest[rid].outputs[0]) if rid in latest else Generation([], [])
-            rows[i][j] = (g, rid not in running)
+            rows[i][j] = (_generation(latest[rid].outputs[0]) if rid in latest else Generation([], []),
+                          rid not in running)
         finished, handoffs = [], []
         for req, group in zip(requests, rows):
-            if all(done for _, done in group.values()):
-                finished.append((req, [group[j][0] for j in range(len(req.seeds))]))
+            if all(done for _, done in group):
+                finished.append((req, [g for g, _ in group]))
             else:
-                state = [(g.tokens, g.logprobs, done) for g, done in (group[j] for j in range(len(req.seeds)))]
-                handoffs.append(Handoff(req, state, running=sum(not done for _, _, done in state),
-                                        prefix_lens=tuple(len(tokens) for tokens, _, _ in state)))
+                state = [(g.tokens, g.logprobs, done) for g, done in group]
+                handoffs.append(Handoff(req, state, running=sum(not done for _, done in group),
+                                        prefix_lens=tuple(len(g.tokens) for g, _ in group)))
         return finished, handoffs
 
     def resume(self, handoffs: list[Handoff], temperature: float) -> list[list[Generation]]:
