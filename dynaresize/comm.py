@@ -58,6 +58,13 @@ class ControlPlane:
         obj = self.comm.recv(source=self.MPI.ANY_SOURCE, tag=tag, status=status)
         return obj, status.Get_source()
 
+    def poll(self, tag: int) -> tuple[object, int] | None:
+        """Like receive, if an object with `tag` has arrived; None at once otherwise."""
+        status = self.MPI.Status()
+        if not self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=tag, status=status):
+            return None
+        return self.comm.recv(source=status.Get_source(), tag=tag), status.Get_source()
+
     def barrier(self) -> None:
         self.comm.Barrier()
 

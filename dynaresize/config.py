@@ -114,7 +114,7 @@ class RolloutConfig:
     temperature: float = 1.0
     ignore_eos: bool = False       # benchmarking: every response runs to its hidden length (no early <eos>)
     # tail migration: a rollout rank with this many sequences left or fewer hands them to a tail rank
-    migration_threshold: int = 0   # 0: off
+    migration_threshold: Any = 0   # 0: off; auto: the cost model's choice of it and tail_ranks
     tail_ranks: int = 1            # the first rollout ranks at their cut finish the others' sequences
     # vLLM engine settings (rollout=vllm)
     gpu_memory_utilization: float = 0.5

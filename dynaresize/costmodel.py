@@ -241,6 +241,59 @@ class CostModel:
         left = done < length
         return cut_s, rank[left], (length - done)[left], (prompt + done)[left]
 
+    def tail_times(self, arrive_s, remaining, context) -> np.ndarray:
+        """Continuous batching on a tail rank that admits sequences while it runs (tail migration):
+        sequence i arrives at `arrive_s[i]` with `remaining[i]` tokens to generate after
+        `context[i]` tokens (prompt + prefix, re-prefilled when it is admitted). It joins the running
+        batch at the next step (first come first served into the rank's slots), and every step costs
+        what it costs a rollout rank: per_step + per_token x running + per_kv_token x their
+        contexts. Returns the second at which each sequence ends. Between two events (an arrival, a
+        sequence ending) the running set is fixed, so the steps of the gap are summed in closed form."""
+        c, scale = self.coef.rollout, self.scale
+        arrive = np.asarray(arrive_s, dtype=np.float64)
+        rem = np.asarray(remaining, dtype=np.int64)
+        ctx = np.asarray(context, dtype=np.float64)
+        end = np.zeros(len(arrive))
+        if not len(arrive):
+            return end
+        slots = int(self.decode_slots(rem.sum(), (ctx * rem + rem * (rem - 1) / 2).sum()))
+        order = np.argsort(arrive, kind="stable").tolist()
+        arrive_l, rem_l, ctx_l = arrive.tolist(), rem.tolist(), ctx.tolist()
+        clock, step = arrive_l[order[0]] + scale * c.base_s, 0
+        running: list[tuple[int, int]] = []      # (the step it ends at, sequence): a heap
+        waiting: list[int] = []
+        offset = 0.0                             # sum over running of context - admission step
+        nxt = 0
+        while nxt < len(order) or running or waiting:
+            while nxt < len(order) and arrive_l[order[nxt]] <= clock:
+                waiting.append(order[nxt])
+                nxt += 1
+            if not running and not waiting:
+                clock = max(clock, arrive_l[order[nxt]])
+                continue
+            while waiting and len(running) < slots:
+                i = waiting.pop(0)
+                clock += scale * (c.per_group_s + c.per_prompt_token_s * ctx_l[i])
+                heapq.heappush(running, (step + max(rem_l[i], 1), i))
+                offset += ctx_l[i] - step
+            n = len(running)
+            first = scale * (c.per_step_s + c.per_token_s * n + c.per_kv_token_s * (offset + n * step))
+            grow = scale * c.per_kv_token_s * n  # each step attends n more context tokens
+            steps = running[0][0] - step         # to the next sequence's end ...
+            if nxt < len(order):                 # ... or to the step the next arrival joins
+                gap = arrive_l[order[nxt]] - clock
+                if gap < steps * first + grow * steps * (steps - 1) / 2:
+                    need = gap / first if grow == 0 else \
+                        ((grow / 2 - first) + math.sqrt((first - grow / 2) ** 2 + 2 * grow * gap)) / grow
+                    steps = min(max(math.ceil(need), 1), steps)
+            clock += steps * first + grow * steps * (steps - 1) / 2
+            step += steps
+            while running and running[0][0] <= step:
+                ends_at, i = heapq.heappop(running)
+                end[i] = clock
+                offset -= ctx_l[i] - (ends_at - max(rem_l[i], 1))
+        return end
+
     def rollout_features(self, groups: Sequence, prompt_lens: Sequence[int] | None = None,
                          samples_per_prompt: int | None = None) -> dict[str, float]:
         """Work of one rank's rollout: `groups` is one entry per prompt group, either the response

@@ -29,12 +29,12 @@ from .groups import GroupRegistry
 from .model import eos_token_ids, load_model, model_skeleton, prepare_checkpoint, save_model
 from .costmodel import CostModel
 from .hardware import job_profile
-from .policy import POLICIES, Decision, IterationStats, make_policy
+from .policy import POLICIES, Decision, IterationStats, make_policy, resolve_migration
 from .prediction import Lengths
 from .resize import colocated_release, colocated_restore, inject_fault, switch
 from .rewards import Scorer
 from .roles import RoleTable
-from .migration import MIGRATE_TAG, TailRoster
+from .migration import MIGRATE_TAG, HandoffInbox, TailRoster
 from .placement import place_prompts, placement_lists
 from .rollout.base import ENGINES, GroupRequest, Handoff, make_engine
 from .stealing import MicroBatchQueue
@@ -65,8 +65,13 @@ class Job:
         emulate = cfg.run.mode == "emulate"
         # the cost model: emulation's prices, the dynamic policy's predictions, work stealing's decision to join
         model = CostModel.for_job(cfg, job_profile(cfg)) \
-            if emulate or POLICIES[cfg.policy.name].needs_cost_model or cfg.trainer.work_stealing else None
+            if emulate or POLICIES[cfg.policy.name].needs_cost_model or cfg.trainer.work_stealing \
+            or cfg.rollout.migration_threshold == "auto" else None
         self.cost = model if emulate else None     # emulation: stages last what the profile's device would take
+        cfg, why = resolve_migration(cfg, model)   # rollout.migration_threshold=auto: chosen here
+        self.cfg = cfg
+        if why and self.rank == 0:
+            print(f"[dynaresize] {why}", flush=True)
         self.policy = make_policy(cfg, model)      # the dynamic policy prices splits with the same model
         self.prices = model
         self.status_path = status_path(self.run_dir, self.rank)
@@ -269,22 +274,24 @@ class Job:
         return TailRoster(self.store, it, self.table.num_rollout, self.cfg.rollout.tail_ranks)
 
     def _migrate(self, it: int, batch: int, tails: TailRoster, handoffs: list[Handoff]) -> list[Sample]:
-        """At this rank's cut: as one of the first to get there, a tail rank, it finishes its own
-        last sequences and then what the later ranks hand it; otherwise it hands its last sequences
-        to a tail rank (one message, maybe empty) and is done."""
+        """At this rank's cut: as one of the first to get there, a tail rank, it goes on with its
+        own last sequences and admits what the later ranks hand it as it arrives; otherwise it
+        hands its last sequences to a tail rank (one message, maybe empty) and is done."""
         ticket = tails.arrive(self.rank)
         if not tails.is_tail(ticket):
             self._hand_off(it, batch, tails.tail_of(ticket), handoffs)
             return []
-        samples = self._continue(it, batch, handoffs, source=self.rank)
-        for _ in range(tails.expected(ticket)):
-            self.set_status(f"migrate (iteration {it}, batch {batch}: tail rank, waiting for a hand-off)")
-            message, source = self.ctrl.receive(MIGRATE_TAG)
-            sent_batch, received = pickle.loads(message)
-            if sent_batch != batch:
-                raise RuntimeError(f"rank {source} handed off batch {sent_batch} while this tail rank "
-                                   f"generates batch {batch}")
-            samples += self._continue(it, batch, received, source)
+        inbox = HandoffInbox(self.ctrl, batch, handoffs, tails.expected(ticket))
+        if not handoffs and not inbox.left:
+            return []
+        self.set_status(f"migrate (iteration {it}, batch {batch}: tail rank for {inbox.left} ranks)")
+        with self.rec.span(it, "rollout", self.role, batch=batch, tail=True) as ev:
+            inject_fault(self.rank, "migrate")        # tests: a tail rank dies holding migrated sequences
+            finished = [(h.request, gens) for h, gens in self.engine.continue_tail(inbox, self.cfg.rollout.temperature)]
+            samples = self._samples(batch, finished, ev)
+            ev["tokens"] = sum(len(s.response) for s in samples) - inbox.generated
+            ev["attrs"].update(ranks=len(inbox.sources) + bool(handoffs),
+                               groups=len(finished), sequences=inbox.sequences)
         return samples
 
     def _hand_off(self, it: int, batch: int, tail: int, handoffs: list[Handoff]) -> None:
@@ -298,20 +305,6 @@ class Job:
             message = pickle.dumps((batch, handoffs))
             self.pending_sends.append(self.ctrl.post(message, tail, MIGRATE_TAG))
             ev["bytes"] = len(message)
-
-    def _continue(self, it: int, batch: int, handoffs: list[Handoff], source: int) -> list[Sample]:
-        """A tail rank finishes handed-off groups (its own, or `source`'s): one `rollout` event."""
-        if not handoffs:
-            return []
-        self.set_status(f"migrate (iteration {it}, batch {batch}: tail rank, finishing rank {source}'s sequences)")
-        with self.rec.span(it, "rollout", self.role, batch=batch, migrated_from=source, groups=len(handoffs),
-                           sequences=sum(h.running for h in handoffs)) as ev:
-            inject_fault(self.rank, "migrate")        # tests: a tail rank dies holding migrated sequences
-            finished = list(zip([h.request for h in handoffs],
-                                self.engine.resume(handoffs, self.cfg.rollout.temperature)))
-            samples = self._samples(batch, finished, ev)
-            ev["tokens"] = sum(len(s.response) for s in samples) - sum(h.generated for h in handoffs)
-        return samples
 
     def exchange(self, it: int, samples: list[Sample] | None) -> list[Sample]:
         """Hand the generated samples to every rank (control plane); returns the whole batch."""

@@ -6,6 +6,7 @@ broadcast, and every decision, kept or moved, is recorded on the timeline with i
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import statistics
@@ -178,21 +179,13 @@ class DynamicPolicy(Policy):
         if self.cfg.train_ranks != "auto":
             k = int(self.cfg.train_ranks)
         else:
-            # Steady state over one period of the workload's tasks (one batch without a mixture):
-            # each iteration generates a batch of the period and trains the one before it.
-            w = self.forecast.w
-            period = len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1
-            samples = [self.forecast.prior(b) for b in range(min(period, self.iterations))]
-
-            def predict(k: int):
-                return Prediction.mean([self.model.expected(samples[b], samples[b - 1], k)
-                                        for b in range(len(samples))])
-            k = self.model.best_split(predict, exhaustive=len(samples) > 1)
+            predict, tasks = steady_state(self.model, self.forecast, self.iterations)
+            k = self.model.best_split(predict, exhaustive=tasks > 1)
             p = predict(k)
             self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout: predicted "
                                  f"{p.total:.3g} s an iteration (rollout {p.rollout:.3g} s, train {p.train:.3g} s) "
                                  f"for the configured workload priced by {self.model.cm.describe()}"
-                                 + (f", averaged over its {len(samples)} tasks" if len(samples) > 1 else ""))
+                                 + (f", averaged over its {tasks} tasks" if tasks > 1 else ""))
         self.engines_from = min(self.engines_from, k)
         return k
 
@@ -336,6 +329,66 @@ POLICIES = {k.name: k for k in (
     PolicyKind("oracle", "dynaresize.sim.oracle:OraclePolicy", chooses_start=True, simulator_only=True,
                free_switch=True),
 )}
+
+
+def steady_state(model: IterationModel, forecast: LengthForecast, iterations: int):
+    """(predict(k): the mean predicted iteration of k train ranks in steady state under the
+    workload's configured lengths, the tasks averaged over). Steady state over one period of the
+    workload's tasks (one batch without a mixture): each iteration generates a batch of the period
+    and trains the one before it."""
+    w = forecast.w
+    period = len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1
+    samples = [forecast.prior(b) for b in range(min(period, iterations))]
+
+    def predict(k: int) -> Prediction:
+        return Prediction.mean([model.expected(samples[b], samples[b - 1], k) for b in range(len(samples))])
+    return predict, len(samples)
+
+
+# rollout.migration_threshold=auto: the (threshold, tail ranks) the cost model chooses among
+MIGRATION_CHOICES = tuple((threshold, tails) for threshold in (1, 2, 4) for tails in (1, 2, 4, 8))
+
+
+def choose_migration(job, cost) -> tuple[int, int, str]:
+    """rollout.migration_threshold=auto: the tail migration (threshold, tail ranks; 0: none) whose
+    predicted steady-state iteration is the shortest, at the split the run starts from (the best
+    one for a policy that chooses its split), and why. Migration frees rollout ranks (work
+    stealing puts them to use) at the price of re-prefilled contexts and busier tail ranks; it is
+    chosen only if it saves more than policy.dead_band of an iteration over none."""
+    if cost is None or not cost.continuous:
+        return 0, job.rollout.tail_ranks, ("rollout.migration_threshold=auto: none (the cost model batches "
+                                           "sequentially, one group at a time: a hand-off would move work "
+                                           "without shortening it)")
+    r, world = job.rollout, job.cluster.ranks
+    forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
+    fixed = None if POLICIES[job.policy.name].chooses_start else int(job.policy.train_ranks)
+
+    def best(migration):
+        model = IterationModel(cost, world, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
+                               job.trainer.work_stealing, r.release, migration)
+        predict, tasks = steady_state(model, forecast, job.run.iterations)
+        k = fixed if fixed is not None else model.best_split(predict, exhaustive=tasks > 1)
+        return predict(k).total, k
+    none_s, k = best(None)
+    priced = [(*best(m), m) for m in MIGRATION_CHOICES]
+    with_s, k_with, (threshold, tails) = min(priced, key=lambda x: x[0])
+    if with_s >= none_s * (1 - job.policy.dead_band):
+        return 0, r.tail_ranks, (f"rollout.migration_threshold=auto: none: predicted {none_s:.4g} s an iteration "
+                                 f"({k} train ranks); the best tail migration (threshold {threshold}, {tails} "
+                                 f"tail ranks) {with_s:.4g} s")
+    return threshold, tails, (f"rollout.migration_threshold=auto: threshold {threshold}, {tails} tail ranks: "
+                              f"predicted {with_s:.4g} s an iteration ({k_with} train ranks), without "
+                              f"{none_s:.4g} s ({k})")
+
+
+def resolve_migration(job, cost):
+    """`job` (config.JobConfig) with rollout.migration_threshold=auto replaced by choose_migration's
+    choice, and why ('' when it was not auto)."""
+    if job.rollout.migration_threshold != "auto":
+        return job, ""
+    threshold, tails, why = choose_migration(job, cost)
+    return dataclasses.replace(job, rollout=dataclasses.replace(job.rollout, migration_threshold=threshold,
+                                                                tail_ranks=tails)), why
 
 
 def make_policy(job, cost=None, sim=None) -> Policy:

@@ -110,12 +110,11 @@ class IterationModel:
     def rollout_times(self, batch: Lengths, k: int) -> np.ndarray:
         """Each rollout rank's time on the split of k train ranks, until it is done with its
         rollout (read-only: kept for the batch). With tail migration: its cut, or a tail rank's
-        last continuation (migration.tail_schedule)."""
+        end (migration.tail_schedule)."""
         def price() -> np.ndarray:
             R = self.world - k
             if self.migration is not None and R >= 2:
-                cut, finish, _ = self.rollout_cuts(batch, k)
-                times = tail_schedule(cut, finish, self.migration[1])[0]
+                times = tail_schedule(self.cm, *self.rollout_cuts(batch, k), self.migration[1])[0]
             else:
                 times = self.cm.rollout_times(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
                                               batch.response_lens, R)
@@ -123,16 +122,12 @@ class IterationModel:
             return times
         return self._memo(batch, ("rollout", k), price)
 
-    def rollout_cuts(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Tail migration on the split of k train ranks: each rollout rank's cut (CostModel.rollout_cuts),
-        what its last sequences take on a tail rank, which re-prefills their context and generates
-        them as one batch (0: none left), and their tokens."""
+    def rollout_cuts(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Tail migration on the split of k train ranks: each rollout rank's cut and the sequences
+        left then, each as (its rank, tokens to go, context tokens so far) (CostModel.rollout_cuts)."""
         R = self.world - k
-        cut, rank, rem, ctx = self.cm.rollout_cuts(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
-                                                   batch.response_lens, R, self.migration[0])
-        finish = self.cm.rollout_times(rank, ctx, rem[:, None], R)
-        left = np.bincount(rank, minlength=R)
-        return cut, np.where(left > 0, finish, 0.0), np.bincount(rank, weights=rem, minlength=R)
+        return self.cm.rollout_cuts(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
+                                    batch.response_lens, R, self.migration[0])
 
     def micro_batch_tokens(self, batch: Lengths) -> np.ndarray:
         """The tokens of each micro-batch of the trained samples, in index order (as the trainer cuts them)."""

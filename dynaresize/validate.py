@@ -162,11 +162,14 @@ def validate(cfg: JobConfig) -> None:
     need(r.temperature >= 0, "rollout.temperature", f"is {r.temperature}", "use 0 (greedy) or more")
     need(r.release in ("sleep", "teardown", "keep"), "rollout.release", f"unknown {r.release!r}",
          "use sleep, teardown or keep")
-    need(isinstance(r.migration_threshold, int) and r.migration_threshold >= 0, "rollout.migration_threshold",
-         f"is {r.migration_threshold!r}", "use 0 (no tail migration) or a number of sequences, e.g. 2")
+    migrates = r.migration_threshold == "auto" or (isinstance(r.migration_threshold, int)
+                                                   and r.migration_threshold > 0)
+    need(migrates or r.migration_threshold == 0, "rollout.migration_threshold",
+         f"is {r.migration_threshold!r}", "use 0 (no tail migration), a number of sequences, e.g. 2, "
+         "or auto (chosen from the cost model)")
     need(isinstance(r.tail_ranks, int) and r.tail_ranks >= 1, "rollout.tail_ranks", f"is {r.tail_ranks!r}",
          "use 1 or more")
-    if r.migration_threshold > 0:
+    if migrates:
         need(run.mode != "emulate", "rollout.migration_threshold",
              f"is {r.migration_threshold} with run.mode=emulate: an emulated stage lasts its price, but the "
              "torch engine's hand-off is not priced (the simulator prices vLLM's)",
@@ -216,7 +219,7 @@ def validate(cfg: JobConfig) -> None:
          "lower trainer.micro_batch_size or raise rollout.prompts_per_batch")
     need(not (colocated and t.work_stealing), "trainer.work_stealing",
          f"is true with policy={p.name}: every rank trains already", "drop trainer.work_stealing")
-    need(not (colocated and r.migration_threshold > 0), "rollout.migration_threshold",
+    need(not (colocated and r.migration_threshold != 0), "rollout.migration_threshold",
          f"is {r.migration_threshold} with policy={p.name}: every rank waits for the whole rollout before it "
          "trains, so a rank freed early has nothing to do", "use rollout.migration_threshold=0")
     if colocated:

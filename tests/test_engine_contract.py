@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, _env
 from dynaresize.config import ModelConfig, RolloutConfig, WorkloadConfig
 from dynaresize.model import BOS_ID, EOS_ID, load_model, prepare_checkpoint, trainable_parameters
-from dynaresize.rollout.base import Generation, GroupRequest, make_engine
+from dynaresize.rollout.base import Generation, GroupRequest, make_engine, resume
 from dynaresize.workload import DIGIT_IDS, EQUALS_ID, Prompt, make_batch
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "mpi"))
@@ -191,6 +191,20 @@ def test_release_and_restore(engine, initial, checkpoint):
     assert as_lists(engine.generate(requests, 1.0)) == before
 
 
+class OneByOne:
+    """Hand-offs reaching a tail rank one at a time, with polls that bring nothing in between
+    (rollout.base.Arrivals): each is admitted while the earlier ones are running."""
+
+    def __init__(self, handoffs):
+        self.waiting, self.polls = list(handoffs), 0
+
+    def poll(self, wait: bool):
+        self.polls += 1
+        if not self.waiting:
+            return None
+        return [self.waiting.pop(0)] if wait or self.polls % 3 == 0 else []
+
+
 @pytest.mark.timeout(300)
 def test_a_handed_off_group_continues_where_it_stopped(engine, initial, checkpoint):
     """Tail migration: what an engine hands off (pickled, as it travels over MPI) and resumes gives
@@ -217,8 +231,16 @@ def test_a_handed_off_group_continues_where_it_stopped(engine, initial, checkpoi
             assert sorted([r.prompt.index for r, _ in finished] + [h.request.prompt.index for h in handoffs]) == \
                 sorted(by_index), "a group was lost or duplicated"
             handoffs = pickle.loads(pickle.dumps(handoffs))
-            resumed = engine.resume(handoffs, temperature)
-            assert as_lists(engine.resume(handoffs, temperature)) == as_lists(resumed), "not deterministic"
+            resumed = resume(engine, handoffs, temperature)
+            assert as_lists(resume(engine, handoffs, temperature)) == as_lists(resumed), "not deterministic"
+            # the same hand-offs admitted one by one while the others run, as they reach a tail rank
+            staggered = {id(h): g for h, g in engine.continue_tail(OneByOne(handoffs), temperature)}
+            assert sorted(staggered) == sorted(map(id, handoffs)), "a hand-off was lost or finished twice"
+            for h, want in zip(handoffs, as_lists(resumed)):
+                for (tokens, logprobs), (want_tokens, want_logprobs) in zip(as_lists([staggered[id(h)]])[0], want):
+                    if exact or temperature == 0:
+                        assert tokens == want_tokens, (temperature, threshold, h.request.prompt.index)
+                        assert max(abs(x - y) for x, y in zip(logprobs, want_logprobs)) <= (0.0 if exact else 1e-3)
             got = {r.prompt.index: as_lists([g])[0] for r, g in finished}
             got |= {h.request.prompt.index: as_lists([g])[0] for h, g in zip(handoffs, resumed)}
             prefix = {h.request.prompt.index: h.prefix_lens for h in handoffs}

@@ -17,7 +17,7 @@ from test_stealing import steals
 from dynaresize.config import ModelConfig, RolloutConfig, WorkloadConfig
 from dynaresize.migration import TailRoster, tail_schedule
 from dynaresize.model import prepare_checkpoint
-from dynaresize.rollout.base import GroupRequest, make_engine
+from dynaresize.rollout.base import GroupRequest, make_engine, resume
 from dynaresize.workload import make_batch
 
 
@@ -54,7 +54,7 @@ def test_a_handed_off_group_continues_bit_identically(tmp_path):
         assert [r for r, _ in finished] + [h.request for h in handoffs] == requests, "groups out of order"
         handoffs = pickle.loads(pickle.dumps(handoffs))                  # as sent over MPI
         forwards.clear()
-        resumed = tail.resume(handoffs, 1.0)
+        resumed = resume(tail, handoffs, 1.0)
         # a group of S steps takes S forwards (the prefill, then one after every step but the last);
         # the source ran the prefill and one after each of its p steps
         steps = [max(len(t) for t, _ in expected[h.request.first_index]) for h in handoffs]
@@ -86,10 +86,11 @@ def test_tail_migration_keeps_the_rl_exact(static_lag0_run, tmp_path):
         attrs = json.loads(e["attrs"])
         assert attrs["to"] != e["rank"] and 0 < attrs["sequences"] <= 6 and e["bytes"] > 0
         tail = [t for t in events if t["name"] == b"rollout" and t["rank"] == attrs["to"]
-                and t["iteration"] == e["iteration"] and json.loads(t["attrs"]).get("migrated_from") == int(e["rank"])]
-        assert len(tail) == 1 and tail[0]["start"] >= e["start"], "the tail rank continued the handed-off groups"
+                and t["iteration"] == e["iteration"] and json.loads(t["attrs"]).get("tail")]
+        assert len(tail) == 1 and tail[0]["end"] >= e["start"], "the tail rank continued the handed-off groups"
+        assert json.loads(tail[0]["attrs"])["sequences"] >= attrs["sequences"]
         own = [t for t in events if t["name"] == b"rollout" and t["rank"] == e["rank"]
-               and t["iteration"] == e["iteration"] and "migrated_from" not in json.loads(t["attrs"])]
+               and t["iteration"] == e["iteration"] and not json.loads(t["attrs"]).get("tail")]
         mine = samples[(samples["iteration"] == e["iteration"]) & (samples["rank"] == e["rank"])]
         assert len(mine) == 4 * (json.loads(own[0]["attrs"])["groups"] - attrs["groups"]), \
             "the handed-off groups' samples come from the tail rank"
@@ -111,23 +112,41 @@ def test_a_rank_killed_while_migrating_ends_the_job_naming_the_operation(tmp_pat
     assert time.monotonic() - start < 60
 
 
-def test_tail_schedule_prices_the_runtimes_hand_offs():
-    """The first ranks at their cut finish their own last sequences, then the later ranks' in
-    ticket order, each from when it arrives (dealt in turn over the tail ranks)."""
-    cut, finish = [1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 2.0, 1.0]
-    end, continuations = tail_schedule(cut, finish, tail_ranks=1)
-    assert end.tolist() == [6.0, 2.0, 3.0, 4.0]
-    assert continuations == [(0, 0, 1.0, 1.5), (0, 2, 3.0, 5.0), (0, 3, 5.0, 6.0)]
-    end, _ = tail_schedule(cut, finish, tail_ranks=2)      # tickets 2 and 3 go to the tails of 0 and 1
-    assert end.tolist() == [5.0, 5.0, 3.0, 4.0]
-    end, _ = tail_schedule([3.0, 1.0], [1.0, 1.0], tail_ranks=1)   # tickets follow the cuts, not the ranks
-    assert end.tolist() == [3.0, 4.0]
+def test_a_tail_rank_admits_what_arrives_into_its_running_batch():
+    """CostModel.tail_times is the cost model's continuous batching with arrivals: sequences there
+    at once cost what one rollout rank takes for them; a later arrival joins the running batch
+    (it ends before the first sequence would have ended, then the second had to start) and
+    lengthens the steps of those running beside it; tail_schedule deals the tickets in cut order."""
+    from dynaresize.costmodel import CostModel
+    from dynaresize.sim import setup_from_overrides
+    setup = setup_from_overrides(["+experiment=suite", "workload=stationary", "hardware=h100"])
+    cm = CostModel.for_job(setup.cfg, setup.profile)
+    rng = np.random.default_rng(0)
+    remaining, context = rng.integers(1, 3000, 20), rng.integers(100, 2000, 20)
+    together = cm.tail_times(np.zeros(20), remaining, context)
+    alone = cm.rollout_times(np.zeros(20, dtype=np.int64), context, remaining[:, None], 1)[0]
+    assert together.max() == pytest.approx(alone, rel=1e-12)
+    assert np.argsort(together, kind="stable").tolist() == np.argsort(remaining, kind="stable").tolist()
+    one = cm.tail_times([0.0], [2000], [500])[0]
+    two = cm.tail_times([0.0, one / 2], [2000, 1000], [500, 500])
+    assert one < two[0] < one * 1.05, "the arrival slows the running sequence's steps a little"
+    assert two[1] < one / 2 + cm.tail_times([0.0], [1000], [500])[0] * 1.05
+    assert two[1] == pytest.approx(two[0], rel=0.05), "admitted at once, not after the first ends"
+    # tail_schedule: ranks 2, 0 reach their cuts first (tickets 0, 1: the tails); 3 and 1 are dealt to them
+    cut = np.array([2.0, 4.0, 1.0, 3.0])
+    rank, remaining, context = np.array([0, 1, 2, 3]), np.array([100, 100, 100, 100]), np.array([50, 50, 50, 50])
+    end, runs = tail_schedule(cm, cut, rank, remaining, context, tail_ranks=2)
+    assert [(tail, sources) for tail, sources, _, _ in runs] == [(2, [2, 3]), (0, [0, 1])]
+    assert end[1] == 4.0 and end[3] == 3.0, "a rank that handed off is done at its cut"
+    assert end[2] == pytest.approx(cm.tail_times([1.0, 3.0], [100, 100], [50, 50]).max(), rel=1e-12)
+    end, runs = tail_schedule(cm, cut, rank, remaining, context, tail_ranks=1)
+    assert [(tail, sources) for tail, sources, _, _ in runs] == [(2, [0, 1, 2, 3])]
 
 
 def test_simulated_migration_is_the_policys_prediction(tmp_path):
     """The simulator's rollout stage with tail migration is IterationModel's (the dynamic policy's
     prediction): every rank to its cut, a `migrate` event where it hands off, one `rollout` event
-    per continuation, tokens counted once."""
+    per tail rank, tokens counted once."""
     from dynaresize.prediction import Lengths
     from dynaresize.sim import setup_from_overrides, simulate
     from dynaresize.sim.core import Simulator
@@ -145,8 +164,8 @@ def test_simulated_migration_is_the_policys_prediction(tmp_path):
         start = rollout["start"].min()
         assert ends[32:] - start == pytest.approx(predicted, rel=1e-9, abs=1e-9)
         moved = ev[(ev["name"] == b"migrate") & (ev["iteration"] == it)]
-        continued = [json.loads(a or b"{}").get("migrated_from") for a in rollout["attrs"]]
-        assert len(moved) > 0 and {int(r) for r in moved["rank"]} <= {c for c in continued if c is not None}
+        tails = {int(e["rank"]) for e in rollout if json.loads(e["attrs"] or b"{}").get("tail")}
+        assert len(moved) > 0 and {json.loads(a)["to"] for a in moved["attrs"]} <= tails
         assert rollout["tokens"].sum() == sim.batch(it).response_lens.sum()
 
 
@@ -155,3 +174,31 @@ def test_migration_is_priced_only_for_continuous_batching():
     from dynaresize.sim.core import Simulator
     with pytest.raises(ValueError, match="continuous"):
         Simulator(setup_from_overrides(["+hardware=cpu_tiny", "rollout.migration_threshold=1"]))
+
+
+def test_auto_migration_is_chosen_from_the_cost_model(tmp_path):
+    """rollout.migration_threshold=auto: the cost model's predicted steady-state iteration with
+    each (threshold, tail ranks) against none. Where migration is predicted to lose, none (the run
+    is plain dynamic, to the last event); a run asked to take any migration short of doubling the
+    iteration (policy.dead_band -1) takes the predicted best and simulates its hand-offs; the
+    torch engine's sequential batching never migrates."""
+    from dynaresize.costmodel import CostModel
+    from dynaresize.policy import MIGRATION_CHOICES, choose_migration
+    from dynaresize.sim import setup_from_overrides, simulate
+    from dynaresize.timeline.reader import read_arrays
+    base = ["+experiment=suite", "workload=stationary", "hardware=h100", "cluster.ranks=64", "run.iterations=4",
+            "policy=dynamic", "trainer.work_stealing=true"]
+    setup = setup_from_overrides(base + ["rollout.migration_threshold=auto"])
+    threshold, tails, why = choose_migration(setup.cfg, CostModel.for_job(setup.cfg, setup.profile))
+    assert threshold == 0 and "none: predicted" in why and "the best tail migration" in why
+    plain = read_arrays(simulate(setup_from_overrides(base), tmp_path / "plain"), ("events",))[1]["events"]
+    auto = read_arrays(simulate(setup, tmp_path / "auto"), ("events",))[1]["events"]
+    assert np.array_equal(plain["end"], auto["end"])
+    eager = setup_from_overrides(base + ["rollout.migration_threshold=auto"])
+    eager.cfg.policy.dead_band = -1.0        # past validation (which wants >= 0): any migration will do
+    threshold, tails, why = choose_migration(eager.cfg, CostModel.for_job(eager.cfg, eager.profile))
+    assert (threshold, tails) in MIGRATION_CHOICES and f"threshold {threshold}, {tails} tail ranks" in why
+    ev = read_arrays(simulate(eager, tmp_path / "eager"), ("events",))[1]["events"]
+    assert (ev["name"] == b"migrate").any()
+    cpu = setup_from_overrides(["+hardware=cpu_tiny", "policy=dynamic", "rollout.migration_threshold=auto"])
+    assert choose_migration(cpu.cfg, CostModel.for_job(cpu.cfg, cpu.profile))[0] == 0

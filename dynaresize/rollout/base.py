@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
 
 from ..config import RolloutConfig
 from ..workload import Prompt
@@ -56,6 +56,31 @@ def continuation_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class Arrivals(Protocol):
+    """What a tail rank continues, as it arrives (migration.HandoffInbox)."""
+
+    def poll(self, wait: bool) -> list[Handoff] | None:
+        """The hand-offs that arrived since the last call ([] if none; with `wait`, blocks until
+        some do); None once no more will come."""
+
+
+class FixedArrivals:
+    """Hand-offs that are all there at once (Arrivals)."""
+
+    def __init__(self, handoffs: list[Handoff]):
+        self.handoffs: list[Handoff] | None = list(handoffs)
+
+    def poll(self, wait: bool) -> list[Handoff] | None:
+        handoffs, self.handoffs = self.handoffs, None
+        return handoffs
+
+
+def resume(engine: "RolloutEngine", handoffs: list[Handoff], temperature: float) -> list[list[Generation]]:
+    """Finish `handoffs` on `engine`: one list of Generations per hand-off, in their order."""
+    done = {id(h): gens for h, gens in engine.continue_tail(FixedArrivals(handoffs), temperature)}
+    return [done[id(h)] for h in handoffs]
+
+
 class RolloutEngine(Protocol):
     name: str
 
@@ -67,8 +92,11 @@ class RolloutEngine(Protocol):
         """Tail migration: generate until `threshold` or fewer sequences are left, hand the rest
         off; the finished groups and the handoffs."""
 
-    def resume(self, handoffs: list[Handoff], temperature: float) -> list[list[Generation]]:
-        """Finish handed-off groups exactly as the engine that started them would have."""
+    def continue_tail(self, arrivals: Arrivals,
+                      temperature: float) -> Iterator[tuple[Handoff, list[Generation]]]:
+        """Finish handed-off groups as the engine that started them would have, admitting each
+        into the running batch as it arrives (`arrivals` is polled between decode steps); yields
+        each group when its last row ends."""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the weights in place (Hugging Face parameter names)."""

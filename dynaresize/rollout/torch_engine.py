@@ -12,12 +12,12 @@ state (KV cache, generators, tokens so far) and goes on in a batch of the same s
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
 from ..model import PAD_ID, cache_kwarg, eos_token_ids, load_model, trainable_parameters
-from .base import Generation, GroupRequest, Handoff
+from .base import Arrivals, Generation, GroupRequest, Handoff
 
 
 class TorchEngine:
@@ -82,12 +82,29 @@ class TorchEngine:
         return finished, []
 
     @torch.no_grad()
-    def resume(self, handoffs: list[Handoff], temperature: float) -> list[list[Generation]]:
-        """Finish groups another rank handed off: a group's rows continue exactly where they
-        stopped (same cache, same generators, same batch shape), so their tokens and log-probs
-        are bit-identical to an uninterrupted run's."""
-        return [self._run(_GroupRun.start(self, h.request, temperature) if h.state is None
-                          else _GroupRun.restored(self, h.request, temperature, h.state)) for h in handoffs]
+    def continue_tail(self, arrivals: Arrivals, temperature: float) -> Iterator[tuple[Handoff, list[Generation]]]:
+        """Finish groups other ranks handed off, each taken up as it arrives: every running group
+        steps one token a round, in a batch of its own shape with its own cache and generators,
+        so its rows continue exactly where they stopped and their tokens and log-probs are
+        bit-identical to an uninterrupted run's, whatever else runs beside them."""
+        runs: list[tuple[Handoff, _GroupRun]] = []
+        more = True
+        while more or runs:
+            if more:
+                arrived = arrivals.poll(wait=not runs)
+                if arrived is None:
+                    more = False
+                else:
+                    runs += [(h, _GroupRun.start(self, h.request, temperature) if h.state is None
+                              else _GroupRun.restored(self, h.request, temperature, h.state)) for h in arrived]
+            going = []
+            for h, run in runs:
+                run.step()
+                if run.finished:
+                    yield h, run.generations()
+                else:
+                    going.append((h, run))
+            runs = going
 
     @staticmethod
     def _run(run: "_GroupRun") -> list[Generation]:

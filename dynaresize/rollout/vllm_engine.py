@@ -35,13 +35,13 @@ import shutil
 import tempfile
 import time
 import weakref
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
 from ..config import RolloutConfig
 from ..model import eos_token_ids
-from .base import Generation, GroupRequest, Handoff, continuation_seed
+from .base import Arrivals, Generation, GroupRequest, Handoff, continuation_seed
 
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
 _WEIGHTS_FILE = "model.safetensors"
@@ -230,32 +230,55 @@ class VLLMEngine:
                                         prefix_lens=tuple(len(g.tokens) for g, _ in group)))
         return finished, handoffs
 
-    def resume(self, handoffs: list[Handoff], temperature: float) -> list[list[Generation]]:
-        """Finish handed-off groups: an unfinished row re-prefills prompt + its prefix and continues
+    def continue_tail(self, arrivals: Arrivals, temperature: float) -> Iterator[tuple[Handoff, list[Generation]]]:
+        """Finish handed-off groups, each admitted into vLLM's running batch as it arrives (polled
+        between engine steps): an unfinished row re-prefills prompt + its prefix and continues
         with the seed `continuation_seed(seed, prefix length)` (its own seed if it had no token
         yet), to its hidden length or <eos>. Greedy continuations are the unmigrated ones (up to
         ties in the logits); sampled ones are deterministic but not those of an unmigrated run."""
         self._check_weights()
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        prompts, params, where = [], [], []
-        out = []
-        for h in handoffs:
-            req = h.request
-            state = h.state or [([], [], False)] * len(req.seeds)
-            out.append([Generation(list(t), list(lp)) for t, lp, _ in state])
-            for j, ((tokens, _, done), seed, length) in enumerate(zip(state, req.seeds, req.prompt.response_lens)):
-                if not done:
-                    prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt.tokens) + list(tokens)))
-                    params.append(self._params(temperature, continuation_seed(seed, len(tokens)) if tokens else seed,
-                                               length - len(tokens)))
-                    where.append((len(out) - 1, j))
-        if prompts:
-            for (g, j), result in zip(where, self.llm.generate(prompts, params, use_tqdm=False)):
-                more = _generation(result.outputs[0])
-                out[g][j].tokens += more.tokens
-                out[g][j].logprobs += more.logprobs
-        return out
+        engine = self.llm.llm_engine
+        self._serial += 1
+        groups: dict[int, tuple[Handoff, list[Generation], list[int]]] = {}   # handoff, rows, rows left
+        rows: dict[str, tuple[int, int]] = {}                                   # request id -> (group, row)
+        more, admitted = True, 0
+        while more or groups:
+            if more:
+                arrived = arrivals.poll(wait=not engine.has_unfinished_requests())
+                more = arrived is not None
+                for h in arrived or []:
+                    key, req = admitted, h.request
+                    admitted += 1
+                    state = h.state or [([], [], False)] * len(req.seeds)
+                    gens = [Generation(list(t), list(lp)) for t, lp, _ in state]
+                    left = []
+                    for j, ((tokens, _, done), seed, length) in enumerate(zip(state, req.seeds, req.prompt.response_lens)):
+                        if done:
+                            continue
+                        rid = f"dynaresize-tail-{self._serial}-{key}-{j}"
+                        engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt.tokens) + list(tokens)),
+                                           self._params(temperature, continuation_seed(seed, len(tokens)) if tokens
+                                                        else seed, length - len(tokens), RequestOutputKind.FINAL_ONLY))
+                        rows[rid] = (key, j)
+                        left.append(j)
+                    groups[key] = (h, gens, left)
+            if not engine.has_unfinished_requests():
+                continue
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                key, j = rows.pop(out.request_id)
+                h, gens, left = groups[key]
+                more_tokens = _generation(out.outputs[0])
+                gens[j].tokens += more_tokens.tokens
+                gens[j].logprobs += more_tokens.logprobs
+                left.remove(j)
+                if not left:
+                    del groups[key]
+                    yield h, gens
 
     def _check_weights(self) -> None:
         self._ready()

@@ -39,7 +39,7 @@ from .. import switchplan
 from ..loop import run_iterations
 from ..migration import priced_migration, tail_schedule
 from ..placement import place_prompts
-from ..policy import POLICIES, Decision, IterationStats, make_policy
+from ..policy import POLICIES, Decision, IterationStats, make_policy, resolve_migration
 from ..prediction import IterationModel, Lengths, Prediction
 from ..roles import RoleTable
 from ..shapes import BatchShape, batch_shape
@@ -76,6 +76,11 @@ class Simulator:
                                                                   and total_samples <= SAMPLE_ROWS_LIMIT)
         self._predictions: dict[tuple[int, int], Prediction] = {}
         self.work_stealing = cfg.trainer.work_stealing
+        cfg, why = resolve_migration(cfg, self.cm)       # rollout.migration_threshold=auto: chosen here
+        self.setup = setup = SimSetup(cfg, setup.profile)
+        self.cfg = cfg
+        if why and setup.options.progress:
+            print(f"[dynaresize-sim] {why}", flush=True)
         self.migration = priced_migration(cfg.rollout, self.cm)
         if cfg.rollout.migration_threshold > 0 and self.migration is None:
             raise ValueError("rollout.migration_threshold: the simulator prices tail migration for continuous "
@@ -240,20 +245,22 @@ class Simulator:
 
     def price_migration(self, it, t, roles, rr, batch: Lengths, tokens) -> np.ndarray:
         """Tail migration (Job._migrate): every rollout rank generates to its cut, the first at
-        theirs finish their own last sequences and then the later ranks' (migration.tail_schedule,
-        the policy's prediction); a `migrate` event where a rank hands off, a `rollout` event per
-        continuation. Returns each rollout rank's time until it is done."""
-        cut, finish, left = self.model.rollout_cuts(batch, self.k)
-        noise = self._noise(len(rr))
-        cut_at = t[rr] + cut * noise
-        end, continuations = tail_schedule(cut_at, finish * noise, self.migration[1])
+        theirs go on with their own last sequences and admit the later ranks' as they arrive
+        (migration.tail_schedule, the policy's prediction); a `migrate` event where a rank hands
+        off, a `rollout` event per tail rank from its cut. Returns each rollout rank's time until
+        it is done."""
+        cut, rank, remaining, context = self.model.rollout_cuts(batch, self.k)
+        cut_at = t[rr] + cut * self._noise(len(rr))
+        end, runs = tail_schedule(self.cm, cut_at, rank, remaining, context, self.migration[1])
+        left = np.bincount(rank, weights=remaining, minlength=len(rr))
         self.events.add(it, rr, roles[rr], "rollout", t[rr], cut_at, tokens=tokens - left)
-        for tail, source, start, stop in continuations:
-            on, by = rr[[tail]], rr[[source]]
-            if tail != source:
-                self.events.add(it, by, roles[by], "migrate", cut_at[source], cut_at[source], attrs={"to": int(on[0])})
-            self.events.add(it, on, roles[on], "rollout", start, stop, tokens=left[source],
-                            attrs={"migrated_from": int(by[0])})
+        for tail, sources, start, stop in runs:
+            on = rr[[tail]]
+            moved = [s for s in sources if s != tail]
+            self.events.add(it, rr[moved], roles[rr[moved]], "migrate", cut_at[moved], cut_at[moved],
+                            attrs={"to": int(on[0])})
+            self.events.add(it, on, roles[on], "rollout", start, stop, tokens=left[sources].sum(),
+                            attrs={"tail": True, "ranks": len(sources)})
         return end - t[rr]
 
     def exchange(self, it: int, b: int | None) -> int | None:
