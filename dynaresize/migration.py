@@ -8,8 +8,9 @@ their rank under their ticket; every later rank hands off to the tail rank of ti
 (ticket - T) mod T, dealt in turn, so a tail rank knows how many hand-offs to wait for
 (`expected`). A tail rank goes on with its own last sequences and admits what the others send it
 into the same running batch as their messages arrive (it polls between decode steps, so a
-hand-off never waits for another to finish). Each later rank sends its tail rank exactly one message (over MPI,
-without waiting for it to be received), empty if the rank had nothing left at its cut.
+hand-off never waits for another to finish: HandoffInbox). Each later rank sends its tail rank
+exactly one message (over MPI, without waiting for it to be received), empty if the rank had
+nothing left at its cut.
 
 The engine hands a running group off with what it needs to continue it (rollout.base.Handoff):
 the torch engine its whole state, so every token and log-probability is the one the source would
