@@ -68,10 +68,11 @@ class Job:
             if emulate or POLICIES[cfg.policy.name].needs_cost_model or cfg.trainer.work_stealing \
             or cfg.rollout.migration_threshold == "auto" else None
         self.cost = model if emulate else None     # emulation: stages last what the profile's device would take
-        cfg, why = resolve_migration(cfg, model)   # rollout.migration_threshold=auto: chosen here
-        self.cfg = cfg
-        if why and self.rank == 0:
-            print(f"[dynaresize] {why}", flush=True)
+        if cfg.rollout.migration_threshold == "auto":     # chosen on rank 0 from the cost model
+            cfg, why = ctrl.bcast(resolve_migration(cfg, model) if self.rank == 0 else None)
+            self.cfg = cfg
+            if self.rank == 0:
+                print(f"[dynaresize] {why}", flush=True)
         self.policy = make_policy(cfg, model)      # the dynamic policy prices splits with the same model
         self.prices = model
         self.status_path = status_path(self.run_dir, self.rank)

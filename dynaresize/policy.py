@@ -331,30 +331,34 @@ POLICIES = {k.name: k for k in (
 )}
 
 
-def steady_state(model: IterationModel, forecast: LengthForecast, iterations: int):
+def steady_state(model: IterationModel, forecast: LengthForecast, iterations: int, most: int | None = None):
     """(predict(k): the mean predicted iteration of k train ranks in steady state under the
-    workload's configured lengths, the tasks averaged over). Steady state over one period of the
-    workload's tasks (one batch without a mixture): each iteration generates a batch of the period
-    and trains the one before it."""
+    workload's configured lengths, the number of iterations averaged over). Steady state over one
+    period of the workload's tasks (one batch without a mixture): each iteration generates a batch
+    of the period and trains the one before it; `most`: at most that many iterations of the
+    period, evenly spaced (a long period of task blocks repeats itself)."""
     w = forecast.w
-    period = len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1
-    samples = [forecast.prior(b) for b in range(min(period, iterations))]
+    period = min(len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1, iterations)
+    samples = [forecast.prior(b) for b in range(period)]
+    its = list(range(period))[::max(-(-period // most), 1)] if most else list(range(period))
 
     def predict(k: int) -> Prediction:
-        return Prediction.mean([model.expected(samples[b], samples[b - 1], k) for b in range(len(samples))])
-    return predict, len(samples)
+        return Prediction.mean([model.expected(samples[b], samples[b - 1], k) for b in its])
+    return predict, len(its)
 
 
 # rollout.migration_threshold=auto: the (threshold, tail ranks) the cost model chooses among
 MIGRATION_CHOICES = tuple((threshold, tails) for threshold in (1, 2, 4) for tails in (1, 2, 4, 8))
+MIGRATION_SAMPLES = 4     # iterations of a task period the choice averages over
 
 
 def choose_migration(job, cost) -> tuple[int, int, str]:
     """rollout.migration_threshold=auto: the tail migration (threshold, tail ranks; 0: none) whose
-    predicted steady-state iteration is the shortest, at the split the run starts from (the best
-    one for a policy that chooses its split), and why. Migration frees rollout ranks (work
-    stealing puts them to use) at the price of re-prefilled contexts and busier tail ranks; it is
-    chosen only if it saves more than policy.dead_band of an iteration over none."""
+    predicted steady-state iteration is the shortest, at the split the run starts from (for a
+    policy that chooses its split: the best one without migration, or one of its neighbours), and
+    why. Migration frees rollout ranks (work stealing puts them to use) at the price of
+    re-prefilled contexts and busier tail ranks; it is chosen only if it saves more than
+    policy.dead_band of an iteration over none."""
     if cost is None or not cost.continuous:
         return 0, job.rollout.tail_ranks, ("rollout.migration_threshold=auto: none (the cost model batches "
                                            "sequentially, one group at a time: a hand-off would move work "
@@ -363,13 +367,20 @@ def choose_migration(job, cost) -> tuple[int, int, str]:
     forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
     fixed = None if POLICIES[job.policy.name].chooses_start else int(job.policy.train_ranks)
 
-    def best(migration):
+    plain = IterationModel(cost, world, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
+                           job.trainer.work_stealing, r.release)
+    predict, tasks = steady_state(plain, forecast, job.run.iterations, MIGRATION_SAMPLES)
+    k = fixed if fixed is not None else plain.best_split(predict, exhaustive=tasks > 1)
+    none_s = predict(k).total
+    # with migration, the splits near the best one without (the policy moves from there if it pays)
+    near = [k] if fixed is not None else \
+        plain.candidates[max(plain.candidates.index(k) - 2, 0):plain.candidates.index(k) + 3]
+
+    def best(migration) -> tuple[float, int]:
         model = IterationModel(cost, world, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
                                job.trainer.work_stealing, r.release, migration)
-        predict, tasks = steady_state(model, forecast, job.run.iterations)
-        k = fixed if fixed is not None else model.best_split(predict, exhaustive=tasks > 1)
-        return predict(k).total, k
-    none_s, k = best(None)
+        predict = steady_state(model, forecast, job.run.iterations, MIGRATION_SAMPLES)[0]
+        return min((predict(k2).total, k2) for k2 in near)
     priced = [(*best(m), m) for m in MIGRATION_CHOICES]
     with_s, k_with, (threshold, tails) = min(priced, key=lambda x: x[0])
     if with_s >= none_s * (1 - job.policy.dead_band):
