@@ -158,9 +158,7 @@ class DynamicPolicy(Policy):
         if cost is None:
             raise ValueError("the dynamic policy prices splits with a cost model: give make_policy one")
         # a run whose cost model cannot price tail migration (the torch engine's) predicts without it
-        self.model = IterationModel(cost, self.world, self.max_lag, job.trainer.micro_batch_size,
-                                    self.cfg.resize_unit, job.trainer.work_stealing, job.rollout.release,
-                                    priced_migration(job.rollout, cost))
+        self.model = IterationModel.for_job(job, cost, priced_migration(job.rollout, cost))
         r = job.rollout
         self.forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
         self.iterations = job.run.iterations
@@ -363,12 +361,11 @@ def choose_migration(job, cost) -> tuple[int, int, str]:
         return 0, job.rollout.tail_ranks, ("rollout.migration_threshold=auto: none (the cost model batches "
                                            "sequentially, one group at a time: a hand-off would move work "
                                            "without shortening it)")
-    r, world = job.rollout, job.cluster.ranks
+    r = job.rollout
     forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
     fixed = None if POLICIES[job.policy.name].chooses_start else int(job.policy.train_ranks)
 
-    plain = IterationModel(cost, world, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
-                           job.trainer.work_stealing, r.release)
+    plain = IterationModel.for_job(job, cost)
     predict, tasks = steady_state(plain, forecast, job.run.iterations, MIGRATION_SAMPLES)
     k = fixed if fixed is not None else plain.best_split(predict, exhaustive=tasks > 1)
     none_s = predict(k).total
@@ -377,9 +374,8 @@ def choose_migration(job, cost) -> tuple[int, int, str]:
         plain.candidates[max(plain.candidates.index(k) - 2, 0):plain.candidates.index(k) + 3]
 
     def best(migration) -> tuple[float, int]:
-        model = IterationModel(cost, world, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
-                               job.trainer.work_stealing, r.release, migration)
-        predict = steady_state(model, forecast, job.run.iterations, MIGRATION_SAMPLES)[0]
+        predict = steady_state(IterationModel.for_job(job, cost, migration), forecast, job.run.iterations,
+                               MIGRATION_SAMPLES)[0]
         return min((predict(k2).total, k2) for k2 in near)
     priced = [(*best(m), m) for m in MIGRATION_CHOICES]
     with_s, k_with, (threshold, tails) = min(priced, key=lambda x: x[0])

@@ -96,6 +96,13 @@ class IterationModel:
         # replays the same recent batches decision after decision, at the same candidate splits
         self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    @classmethod
+    def for_job(cls, job, cm: CostModel, migration: tuple[int, int] | None = None) -> "IterationModel":
+        """The model of job config `job` (config.JobConfig) priced by `cm`; `migration`: the tail
+        migration it predicts with (migration.priced_migration), None for none."""
+        return cls(cm, job.cluster.ranks, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
+                   job.trainer.work_stealing, job.rollout.release, migration)
+
     def _memo(self, batch: Lengths, key: tuple, compute: Callable):
         priced = self._priced.get(batch)
         if priced is None:

@@ -85,8 +85,7 @@ class Simulator:
         if cfg.rollout.migration_threshold > 0 and self.migration is None:
             raise ValueError("rollout.migration_threshold: the simulator prices tail migration for continuous "
                              "batching only; use a GPU profile (hardware=h100, h200) or migration_threshold=0")
-        self.model = IterationModel(self.cm, self.W, self.lag, self.mbs, cfg.policy.resize_unit, self.work_stealing,
-                                    cfg.rollout.release, self.migration)
+        self.model = IterationModel.for_job(cfg, self.cm, self.migration)
 
         kind = POLICIES[cfg.policy.name]
         self.colocated = kind.colocated
