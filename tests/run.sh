@@ -22,26 +22,4 @@ else
     echo "tests/run.sh: not root (or DYNARESIZE_SKIP_SLURM=1): the Slurm tests will be skipped" >&2
 fi
 
-pytest=(.venv/bin/python -m pytest -q --timeout=900)
-if [ $# -gt 0 ] || [ -z "$slurm_dir" ]; then
-    "${pytest[@]}" --durations=25 "$@"
-    exit
-fi
-
-# The whole suite in two streams: the Slurm tests (serial among themselves: they share the
-# cluster's queue) beside the rest, filling the time each stream leaves a core idle (daemons,
-# single-process phases). Emulation runs last, once the Slurm stream is done: its ranks sleep for
-# priced durations, and their real work must fit inside them.
-slurm_log=$(mktemp -t dynaresize-slurm-tests.XXXXXX)
-"${pytest[@]}" --durations=10 -p no:cacheprovider tests/test_slurm.py >"$slurm_log" 2>&1 &
-slurm_tests=$!
-mapfile -t rest < <(ls tests/test_*.py | grep -v -e '^tests/test_slurm.py$' -e '^tests/test_emulation.py$')
-main=0
-"${pytest[@]}" --durations=25 "${rest[@]}" || main=$?
-slurm=0
-wait "$slurm_tests" || slurm=$?
-"${pytest[@]}" --durations=3 tests/test_emulation.py || main=$?
-echo "=== tests/test_slurm.py (run beside the others) ==="
-cat "$slurm_log"
-rm -f "$slurm_log"
-[ "$main" -eq 0 ] && [ "$slurm" -eq 0 ]
+.venv/bin/python -m pytest -q --timeout=900 --durations=25 "$@"
