@@ -121,7 +121,7 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
     what its ranks were doing), the ranks requeue it after the first warning and stop after the
     second. Submitted again, it resumes and ends with the same weights as an uninterrupted run,
     each iteration once. Slurm's accounting has every attempt."""
-    # Iterations long enough (1-2 s on 2 cores) that each interruption lands mid-run; the three
+    # Iterations long enough (1-3 s on 2 cores) that each interruption lands mid-run; the three
     # interruptions take 7 of the 14 iterations.
     common = ["run.iterations=14", "policy=scripted", "policy.schedule=[2,2,1,1,3,3,2]",
               "workload.length_median=24", "workload.length_growth=0"]
