@@ -348,11 +348,14 @@ def iteration_metrics(tl: Timeline) -> pd.DataFrame:
 # Per run
 
 def policy_kind(name: str) -> str:
-    """Classify a policy name: "static", "oracle", "scripted" (a split schedule given by hand),
-    "colocated" (names starting with "coloc"), "unknown", or "dynamic" (any other name)."""
+    """Classify a policy name: "static", "oracle" (the simulator's oracles: names starting with
+    "oracle"), "scripted" (a split schedule given by hand), "colocated" (names starting with
+    "coloc"), "unknown", or "dynamic" (any other name)."""
     name = (name or "unknown").lower()
-    if name in ("static", "oracle", "scripted", "unknown"):
+    if name in ("static", "scripted", "unknown"):
         return name
+    if name.startswith("oracle"):
+        return "oracle"
     if name.startswith("coloc"):
         return "colocated"
     return "dynamic"

@@ -326,6 +326,8 @@ POLICIES = {k.name: k for k in (
     PolicyKind("dynamic", "dynaresize.policy:DynamicPolicy", chooses_start=True, needs_cost_model=True),
     PolicyKind("oracle", "dynaresize.sim.oracle:OraclePolicy", chooses_start=True, simulator_only=True,
                free_switch=True),
+    PolicyKind("oracle_expected", "dynaresize.sim.oracle:ExpectedOraclePolicy", chooses_start=True,
+               simulator_only=True, free_switch=True),
 )}
 
 

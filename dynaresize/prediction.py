@@ -267,6 +267,14 @@ class IterationModel:
         return t + state + start + cm.switch_op_time("weight_load", nbytes=cm.weight_bytes)
 
 
+def workload_sample(workload, seed: int, b: int, prompts_per_batch: int, samples_per_prompt: int,
+                    n: int = ENSEMBLE) -> list[Lengths]:
+    """n equally likely batches of the configured workload at batch index b: its task, cap, growth
+    and prompt count, with lengths drawn from streams of their own (never the real batch b's)."""
+    return [Lengths.of(batch_shape(workload, seed + _PRIOR_STREAM + i, b, prompts_per_batch, samples_per_prompt))
+            for i in range(n)]
+
+
 class LengthForecast:
     """The batches of the coming iterations, from the batches generated so far (see the module
     docstring). Per task of a mixture (tasks rotate by a configured schedule), the forecast of a
@@ -325,8 +333,7 @@ class LengthForecast:
         """ENSEMBLE samples of the configured workload at batch b (start-up, tasks not seen yet),
         the same objects until batch b is generated."""
         if b not in self._priors:
-            self._priors[b] = [Lengths.of(batch_shape(self.w, self.seed + _PRIOR_STREAM + i, b, self.ppb, self.spp))
-                               for i in range(ENSEMBLE)]
+            self._priors[b] = workload_sample(self.w, self.seed, b, self.ppb, self.spp)
         return self._priors[b]
 
     def forecast(self, b: int) -> tuple[list[Lengths], tuple]:
@@ -367,4 +374,4 @@ class LengthForecast:
         self.trend = {int(t): deque((tuple(p) for p in d), maxlen=TREND_WINDOW) for t, d in state["trend"]}
 
 
-__all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast"]
+__all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast", "workload_sample"]

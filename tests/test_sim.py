@@ -228,6 +228,41 @@ def test_oracle_bounds_every_static_split(tmp_path):
     attrs, data = read(path)
     assert len(events(data, "commit")) == 0                 # free switching: no switch op
     assert yaml.safe_load(attrs["config"])["policy"]["train_ranks"] == data["iterations"]["train_ranks"][0]
+    # without foresight of the lengths it generates, an oracle is slower, never faster
+    blind = analysis.run_metrics(analysis.load_timeline(run(tmp_path, "expected", *common,
+                                                            "policy.name=oracle_expected")))
+    assert blind["kind"] == "oracle" and blind["resizes"] >= 1
+    assert m["total_time_s"] <= blind["total_time_s"] + 1e-9
+
+
+def test_the_expected_oracle_never_reads_the_lengths_it_is_about_to_generate(tmp_path):
+    """oracle_expected prices batch b from samples of the workload at b, not from batch b's hidden
+    lengths: changing them changes the oracle's prediction, not its own. The batch it trains (b - 1,
+    max_lag 1) was generated already, and it does use that one."""
+    from dynaresize.shapes import BatchShape
+    setup = setup_from_overrides(baseline(["cluster.ranks=6", "rollout.prompts_per_batch=12", "policy.name=oracle"]))
+    sim = Simulator(setup, tmp_path / "sim")
+    expected = setup_from_overrides(baseline(["cluster.ranks=6", "rollout.prompts_per_batch=12",
+                                              "policy.name=oracle_expected"]))
+    blind = Simulator(expected, tmp_path / "blind").policy
+    blind.sim = sim                                     # both read the same batches
+
+    def predictions():
+        sim._predictions.clear()
+        blind._iteration = None
+        return ([sim.predict(3, k).total for k in range(1, 6)], [blind.predict(3, k).total for k in range(1, 6)])
+
+    def longer(b):
+        s = sim.batch(b)
+        sim._batches[b] = BatchShape(s.digits, s.context_lens, s.prompt_lens, s.response_lens * 3, s.trained_prompts)
+
+    true0, blind0 = predictions()
+    longer(3)                                           # the batch iteration 3 generates
+    true1, blind1 = predictions()
+    assert all(b > a for a, b in zip(true0, true1)) and blind1 == blind0
+    longer(2)                                           # the batch iteration 3 trains
+    blind2 = predictions()[1]                           # (the stages overlap: it shows where training is longer)
+    assert all(b >= a for a, b in zip(blind1, blind2)) and any(b > a for a, b in zip(blind1, blind2))
 
 
 def test_jobconfig_api_and_config_errors(tmp_path):
@@ -295,17 +330,19 @@ def test_suite_writes_the_table_for_each_workload(tmp_path):
         assert {"table.csv", "table.md", "table.png"} <= {p.name for p in folder.iterdir()}
         df = pd.read_csv(folder / "table.csv").set_index("row")
         assert list(df.index) == ["static, hindsight-best", "static, pilot", "colocated", "dynamic",
-                                  "dynamic + stealing", "oracle", "bound"]
+                                  "dynamic + stealing", "oracle, expected lengths", "oracle", "bound"]
         x = df["throughput_x"]
         assert x["static, hindsight-best"] == 1.0 and x["static, pilot"] <= 1.0
         assert x["oracle"] >= 1.0 - 1e-9 and x["bound"] > x["oracle"]
+        assert x["oracle"] >= x["oracle, expected lengths"] - 1e-9
         assert df.loc["colocated", "critical_switch_s"] > 0 and 0 < df.loc["dynamic", "busy_share"] <= 1
         runs = sorted(p.name for p in (folder / "runs").iterdir())
         assert runs == sorted(["static_01", "static_02", "static_03", "dynamic", "dynamic_stealing", "colocated",
-                               "oracle"])
+                               "oracle", "oracle_expected"])
     summary = pd.read_csv(out / "summary.csv")
     assert len(summary) == 2 and (summary["static, hindsight-best"] == 1.0).all()
     assert (summary["dynamic_vs_oracle"] == summary["dynamic"] / summary["oracle"]).all()
+    assert (summary["dynamic_vs_expected"] == summary["dynamic"] / summary["oracle, expected lengths"]).all()
     assert (summary["turns"] >= 0).all() and (summary["resizes"] >= summary["turns"]).all()
     assert (summary["decide_s"] > 0).all() and ((summary["decide_share"] > 0) & (summary["decide_share"] < 1)).all()
     # by default only the timelines of the table's runs stay

@@ -14,7 +14,11 @@ For every (hardware, ranks, workload) it simulates, with the same seed and cost 
     dynamic                  policy=dynamic
     dynamic + stealing       policy=dynamic with trainer.work_stealing (rollout ranks done generating
                              compute micro-batches of the train step; dynaresize/stealing.py)
-    oracle                   the per-iteration best split with free switching
+    oracle, expected lengths the per-iteration best split for the distribution of the lengths it
+                             is about to generate (not their sampled values), switching for free:
+                             what knowing the workload, but not the future, is worth (sim/oracle.py)
+    oracle                   the per-iteration best split for the batch's true lengths, switching
+                             for free
     bound                    per iteration max(the longest sample decoded alone, all rollout and
                              train work / all ranks), summed: what no placement can beat
 
@@ -36,8 +40,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 WORKLOADS = ("stationary", "growth", "dapo", "deepscaler", "r1zero", "mixture_blocks", "mixture_alternating")
-ROWS = ("static, hindsight-best", "static, pilot", "colocated", "dynamic", "dynamic + stealing", "oracle",
-        "bound")
+ROWS = ("static, hindsight-best", "static, pilot", "colocated", "dynamic", "dynamic + stealing",
+        "oracle, expected lengths", "oracle", "bound")
 PILOT_ITERATIONS = 5
 
 
@@ -64,9 +68,10 @@ def run_specs(base: dict) -> dict[str, dict]:
     coloc["policy"]["name"] = "colocated"
     coloc["run"]["max_lag"] = 0
     specs["colocated"] = coloc
-    oracle = copy.deepcopy(base)
-    oracle["policy"]["name"] = "oracle"
-    specs["oracle"] = oracle
+    for name in ("oracle", "oracle_expected"):
+        oracle = copy.deepcopy(base)
+        oracle["policy"]["name"] = name
+        specs[name] = oracle
     return specs
 
 
@@ -96,12 +101,13 @@ def direction_changes(splits: list[int]) -> int:
 
 def acceptance(r, dynamic: dict) -> dict:
     """The dynamic policy's figures of merit from a workload's throughputs `r` (row -> x hindsight
-    static): against the oracle, the share of the oracle's gain over the pilot split it captures,
-    its resizes and reversals of direction, and its decisions' wall time here: the median, and
+    static): against the oracle and against the oracle without foresight (expected lengths), the
+    share of the oracle's gain over the pilot split it captures, its resizes and reversals of direction, and its decisions' wall time here: the median, and
     the total as a share of the run (rank 0 decides while every rank waits; the simulated time
     leaves it out)."""
     gain = r["oracle"] / r["static, pilot"] - 1
     return {"dynamic_vs_oracle": r["dynamic"] / r["oracle"],
+            "dynamic_vs_expected": r["dynamic"] / r["oracle, expected lengths"],
             "captured": (r["dynamic"] / r["static, pilot"] - 1) / gain if gain > 1e-9 else math.nan,
             "resizes": dynamic["resizes"], "turns": dynamic["turns"],
             "decide_s": dynamic["decide_s_median"],
@@ -151,7 +157,8 @@ def workload_table(metrics: dict[str, dict], bound_row: dict):
     trial = max(statics, key=lambda n: metrics[n]["pilot_tokens_per_s"])
     ref = metrics[best]
     picks = {"static, hindsight-best": best, "static, pilot": trial, "colocated": "colocated",
-             "dynamic": "dynamic", "dynamic + stealing": "dynamic_stealing", "oracle": "oracle"}
+             "dynamic": "dynamic", "dynamic + stealing": "dynamic_stealing",
+             "oracle, expected lengths": "oracle_expected", "oracle": "oracle"}
     rows = []
     for row in ROWS:
         if row == "bound":
@@ -165,7 +172,7 @@ def workload_table(metrics: dict[str, dict], bound_row: dict):
         m = metrics[picks[row]]
         if row == "colocated":
             split = "all ranks"
-        elif row == "oracle":
+        elif row.startswith("oracle"):
             split = "per iteration"
         elif m["final_split"] == m["split"]:
             split = m["split"]
@@ -259,7 +266,8 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                     tables.append(df)
                     r = df.set_index("row")["throughput_x"]
                     log(f"[suite] {hw} {n:>5} ranks  {w:<20} dynamic {r['dynamic']:.3f}  "
-                        f"+ stealing {r['dynamic + stealing']:.3f}  oracle {r['oracle']:.3f}  "
+                        f"+ stealing {r['dynamic + stealing']:.3f}  oracle {r['oracle, expected lengths']:.3f} "
+                        f"(expected lengths) {r['oracle']:.3f} (true)  "
                         f"bound {r['bound']:.3f}  x hindsight static  ({time.perf_counter() - t0:.0f} s, "
                         f"{time.perf_counter() - started:.0f} s in all)")
                     summary.append({"hardware": hw, "ranks": n, "workload": w,
@@ -270,7 +278,7 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
     df.to_csv(os.path.join(out, "summary.csv"), index=False)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("Throughput relative to the hindsight-best static split (same seed and cost model per row); "
-                "dynamic_vs_oracle, the share of the oracle's gain over the pilot split that dynamic captures, "
+                "dynamic_vs_oracle, dynamic_vs_expected (dynamic / the oracle without foresight), the share of the oracle's gain over the pilot split that dynamic captures, "
                 "the dynamic run's resizes and reversals of direction (turns), and its decisions' wall time on "
                 "this machine (decide_s: the median in seconds; decide_share: their total / the run's simulated "
                 "time).\n\n")
