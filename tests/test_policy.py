@@ -13,7 +13,7 @@ from dynaresize.config import load_config
 from dynaresize.costmodel import CostModel
 from dynaresize.hardware import load_profile
 from dynaresize.policy import DynamicPolicy, IterationStats, ScriptedPolicy, make_policy
-from dynaresize.prediction import IterationModel, Lengths
+from dynaresize.prediction import IterationModel, Lengths, workload_sample
 
 WORLD = 16
 PROMPTS, SPP = 64, 8
@@ -140,14 +140,31 @@ def test_stationary_noise_settles_without_oscillation():
     assert direction_changes(splits) <= 1, splits
 
 
-def test_auto_start_is_the_best_split_of_the_configured_workload():
-    cfg = job(train_ranks="auto")
+def run_prices(policy, cfg, phases):
+    """Each candidate's predicted time summed over the batches `policy.train_ranks=auto` prices:
+    at the run's start and quarters (60 iterations: batches 0, 15, 30, 45), `phases` consecutive
+    batches, each generated while the one before it (in its period) trains."""
+    def sample(b):
+        return workload_sample(cfg.workload, cfg.run.seed, b, PROMPTS, SPP)
+    model = policy.model
+    points = [o // phases * phases for o in (0, 15, 30, 45)]
+    pairs = [(sample(o + t), sample(o + (t - 1) % phases)) for o in points for t in range(phases)]
+    return {c: sum(model.expected(gen, trn, c).total for gen, trn in pairs) for c in model.candidates}
+
+
+def test_auto_start_is_the_best_fixed_split_for_the_whole_configured_run():
+    # Lengths grow 3 % a batch (4x by batch 45): the start is the best split for the whole run,
+    # not for its first batch, whose best split has more train ranks.
+    cfg = job(train_ranks="auto", workload={"length_growth": 0.03})
     policy = DynamicPolicy(cfg, cost(cfg))
     k = policy.initial_train_ranks()
-    sample = policy.forecast.prior(0)
-    predicted = {c: policy.model.expected(sample, sample, c).total for c in policy.model.candidates}
+    predicted = run_prices(policy, cfg, 1)
     assert predicted[k] == min(predicted.values())
+    first = policy.forecast.prior(0)
+    at_first = {c: policy.model.expected(first, first, c).total for c in policy.model.candidates}
+    assert min(at_first, key=at_first.get) > k
     assert "auto" in policy.start_reason and f"{k} train ranks" in policy.start_reason
+    assert "4 points of the run" in policy.start_reason
 
 
 def test_learns_the_cost_models_error_and_the_switch_cost():
@@ -218,8 +235,6 @@ def test_auto_start_of_a_mixture_weighs_every_task():
     cfg = job(train_ranks="auto", workload=mixture)
     policy = DynamicPolicy(cfg, cost(cfg))
     k = policy.initial_train_ranks()
-    assert "averaged over its 2 tasks" in policy.start_reason
-    long, short = policy.forecast.prior(0), policy.forecast.prior(1)
-    model = policy.model
-    mixed = {c: model.expected(long, short, c).total + model.expected(short, long, c).total for c in model.candidates}
+    assert "and its 2 tasks" in policy.start_reason
+    mixed = run_prices(policy, cfg, 2)
     assert mixed[k] == min(mixed.values())
