@@ -17,7 +17,7 @@ from typing import Any
 from .migration import priced_migration
 from .prediction import IterationModel, LengthForecast, Prediction, workload_sample
 
-START_POINTS = 4      # points of the run (its start and quarters) that policy.train_ranks=auto is priced at
+START_POINTS = 4      # points of the run (its start and quarters) where policy.train_ranks=auto prices splits
 START_PHASES = 8      # iterations of a task period it averages over at each point (evenly spaced)
 
 
@@ -180,17 +180,22 @@ class DynamicPolicy(Policy):
         if self.cfg.train_ranks != "auto":
             k = int(self.cfg.train_ranks)
         else:
-            # the best fixed split for the whole run, not for its first batches: a drifting
-            # workload's later moves into rollout start engines cold, which costs more than a
-            # start a little off the first batches' best
-            predict, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES, START_POINTS)
-            k = self.model.best_split(predict, exhaustive=tasks > 1)
-            p = predict(k)
-            self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout: predicted "
-                                 f"{p.total:.3g} s an iteration (rollout {p.rollout:.3g} s, train {p.train:.3g} s) "
-                                 f"for the configured workload priced by {self.model.cm.describe()}, averaged "
-                                 f"over {START_POINTS} points of the run"
-                                 + (f" and its {tasks} tasks" if tasks > 1 else ""))
+            # The most rollout ranks the configured run will want: a rank that starts in rollout
+            # keeps its engine parked while it trains, so a later move back into rollout wakes it,
+            # where a rank that never generated would start one cold (the costliest switch).
+            points = sorted({self.iterations * j // START_POINTS for j in range(START_POINTS)})
+            bests, tasks = [], 1
+            for at in points:
+                predict, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES, at)
+                bests.append(self.model.best_split(predict, exhaustive=tasks > 1))
+            k = min(bests)
+            p = steady_state(self.model, self.forecast, self.iterations, START_PHASES)[0](k)
+            self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout, the fewest "
+                                 f"of the best splits at batches {points} ({bests}) of the configured workload"
+                                 + (f" (each averaged over {tasks} batches of its tasks)" if tasks > 1 else "")
+                                 + f" priced by {self.model.cm.describe()}: predicted {p.total:.3g} s an iteration "
+                                 f"at the start (rollout {p.rollout:.3g} s, train {p.train:.3g} s); ranks that "
+                                 f"start in rollout keep an engine to return to")
         self.engines_from = min(self.engines_from, k)
         return k
 
@@ -339,29 +344,24 @@ POLICIES = {k.name: k for k in (
 
 
 def steady_state(model: IterationModel, forecast: LengthForecast, iterations: int, most: int | None = None,
-                 points: int = 1):
+                 at: int = 0):
     """(predict(k): the mean predicted iteration of k train ranks in steady state under the
     workload's configured lengths, the number of iterations averaged over). Steady state over one
-    period of the workload's tasks (one batch without a mixture): each iteration generates a batch
-    of the period and trains the one before it; `most`: at most that many iterations of the
-    period, evenly spaced (a long period of task blocks repeats itself). `points`: one period at
-    the start of the run and at each of points - 1 more, evenly spaced (a drifting workload's
-    early and late batches: the mean estimates a fixed split's run time, per iteration)."""
+    period of the workload's tasks (one batch without a mixture) from batch `at` (rounded down to
+    a period's start; 0: the run's first batches): each iteration generates a batch of the period
+    and trains the one before it; `most`: at most that many iterations of the period, evenly
+    spaced (a long period of task blocks repeats itself)."""
     w = forecast.w
     period = min(len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1, iterations)
     phases = list(range(period))[::max(-(-period // most), 1)] if most else list(range(period))
-    starts = sorted({iterations * j // points // period * period for j in range(points)})
-    samples = {}
-
-    def sample(b: int) -> list:
-        if b not in samples:
-            samples[b] = forecast.prior(b) if b < period else workload_sample(forecast.w, forecast.seed, b,
-                                                                              forecast.ppb, forecast.spp)
-        return samples[b]
-    pairs = [(sample(o + t), sample(o + (t - 1) % period)) for o in starts for t in phases]
+    start = at // period * period
+    if start == 0:            # the forecast's own samples, which it uses until it has seen a task
+        samples = [forecast.prior(b) for b in range(period)]
+    else:
+        samples = [workload_sample(w, forecast.seed, start + b, forecast.ppb, forecast.spp) for b in range(period)]
 
     def predict(k: int) -> Prediction:
-        return Prediction.mean([model.expected(gen, trn, k) for gen, trn in pairs])
+        return Prediction.mean([model.expected(samples[b], samples[b - 1], k) for b in phases])
     return predict, len(phases)
 
 
