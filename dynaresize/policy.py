@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .migration import priced_migration
 from .prediction import IterationModel, LengthForecast, Prediction, workload_sample
@@ -184,18 +184,18 @@ class DynamicPolicy(Policy):
             # keeps its engine parked while it trains, so a later move back into rollout wakes it,
             # where a rank that never generated would start one cold (the costliest switch).
             points = sorted({self.iterations * j // START_POINTS for j in range(START_POINTS)})
-            bests, tasks = [], 1
-            for at in points:
-                predict, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES, at)
-                bests.append(self.model.best_split(predict, exhaustive=tasks > 1))
+            bests = [self.model.best_split(predict) for at in points
+                     for predict in steady_state_phases(self.model, self.forecast, self.iterations, START_PHASES, at)]
             k = min(bests)
-            p = steady_state(self.model, self.forecast, self.iterations, START_PHASES)[0](k)
+            at_start, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES)
+            p = at_start(k)
             self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout, the fewest "
-                                 f"of the best splits at batches {points} ({bests}) of the configured workload"
-                                 + (f" (each averaged over {tasks} batches of its tasks)" if tasks > 1 else "")
-                                 + f" priced by {self.model.cm.describe()}: predicted {p.total:.3g} s an iteration "
-                                 f"at the start (rollout {p.rollout:.3g} s, train {p.train:.3g} s); ranks that "
-                                 f"start in rollout keep an engine to return to")
+                                 f"of the best splits ({min(bests)}-{max(bests)}) of {len(bests)} batches of the "
+                                 f"configured workload at its batches {points}, priced by {self.model.cm.describe()}: "
+                                 f"predicted {p.total:.3g} s an iteration at the start (rollout {p.rollout:.3g} s, "
+                                 f"train {p.train:.3g} s" + (f", averaged over {tasks} batches of its tasks" if tasks > 1
+                                                            else "")
+                                 + "); ranks that start in rollout keep an engine to return to")
         self.engines_from = min(self.engines_from, k)
         return k
 
@@ -343,13 +343,12 @@ POLICIES = {k.name: k for k in (
 )}
 
 
-def steady_state(model: IterationModel, forecast: LengthForecast, iterations: int, most: int | None = None,
-                 at: int = 0):
-    """(predict(k): the mean predicted iteration of k train ranks in steady state under the
-    workload's configured lengths, the number of iterations averaged over). Steady state over one
-    period of the workload's tasks (one batch without a mixture) from batch `at` (rounded down to
-    a period's start; 0: the run's first batches): each iteration generates a batch of the period
-    and trains the one before it; `most`: at most that many iterations of the period, evenly
+def steady_state_phases(model: IterationModel, forecast: LengthForecast, iterations: int,
+                        most: int | None = None, at: int = 0) -> list[Callable[[int], Prediction]]:
+    """predict(k) for each iteration of one period of the workload's tasks (one batch without a
+    mixture) in steady state, from batch `at` (rounded down to a period's start; 0: the run's first
+    batches): the iteration generates samples of its batch under the configured lengths and trains
+    the one before it in the period. `most`: at most that many iterations of the period, evenly
     spaced (a long period of task blocks repeats itself)."""
     w = forecast.w
     period = min(len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1, iterations)
@@ -359,10 +358,15 @@ def steady_state(model: IterationModel, forecast: LengthForecast, iterations: in
         samples = [forecast.prior(b) for b in range(period)]
     else:
         samples = [workload_sample(w, forecast.seed, start + b, forecast.ppb, forecast.spp) for b in range(period)]
+    return [lambda k, b=b: model.expected(samples[b], samples[b - 1], k) for b in phases]
 
-    def predict(k: int) -> Prediction:
-        return Prediction.mean([model.expected(samples[b], samples[b - 1], k) for b in phases])
-    return predict, len(phases)
+
+def steady_state(model: IterationModel, forecast: LengthForecast, iterations: int, most: int | None = None,
+                 at: int = 0):
+    """(predict(k): the mean predicted iteration of k train ranks over a period in steady state,
+    the number of iterations averaged over); see steady_state_phases."""
+    each = steady_state_phases(model, forecast, iterations, most, at)
+    return (lambda k: Prediction.mean([predict(k) for predict in each])), len(each)
 
 
 # rollout.migration_threshold=auto: the (threshold, tail ranks) the cost model chooses among
