@@ -189,9 +189,10 @@ class DynamicPolicy(Policy):
             k = min(bests)
             at_start, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES)
             p = at_start(k)
+            spread = f"{k}" if k == max(bests) else f"{k}-{max(bests)}"
             self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout, the fewest "
-                                 f"of the best splits ({min(bests)}-{max(bests)}) of {len(bests)} batches of the "
-                                 f"configured workload at its batches {points}, priced by {self.model.cm.describe()}: "
+                                 f"among the best splits ({spread}) of {len(bests)} batches of the configured "
+                                 f"workload at batches {points}, priced by {self.model.cm.describe()}: "
                                  f"predicted {p.total:.3g} s an iteration at the start (rollout {p.rollout:.3g} s, "
                                  f"train {p.train:.3g} s" + (f", averaged over {tasks} batches of its tasks" if tasks > 1
                                                             else "")
