@@ -12,7 +12,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .migration import priced_migration
 from .prediction import IterationModel, LengthForecast, Prediction, workload_sample
@@ -184,19 +184,20 @@ class DynamicPolicy(Policy):
             # keeps its engine parked while it trains, so a later move back into rollout wakes it,
             # where a rank that never generated would start one cold (the costliest switch).
             points = sorted({self.iterations * j // START_POINTS for j in range(START_POINTS)})
-            bests = [self.model.best_split(predict) for at in points
-                     for predict in steady_state_phases(self.model, self.forecast, self.iterations, START_PHASES, at)]
+            bests = []
+            for at in points:
+                predict, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES, at)
+                bests.append(self.model.best_split(predict, exhaustive=tasks > 1))
+                if at == 0:
+                    at_start = predict
             k = min(bests)
-            at_start, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES)
             p = at_start(k)
-            spread = f"{k}" if k == max(bests) else f"{k}-{max(bests)}"
             self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout, the fewest "
-                                 f"among the best splits ({spread}) of {len(bests)} batches of the configured "
-                                 f"workload at batches {points}, priced by {self.model.cm.describe()}: "
-                                 f"predicted {p.total:.3g} s an iteration at the start (rollout {p.rollout:.3g} s, "
-                                 f"train {p.train:.3g} s" + (f", averaged over {tasks} batches of its tasks" if tasks > 1
-                                                            else "")
-                                 + "); ranks that start in rollout keep an engine to return to")
+                                 f"among the best splits {bests} of the configured workload at batches {points}"
+                                 + (f" (each averaged over {tasks} batches of its tasks)" if tasks > 1 else "")
+                                 + f", priced by {self.model.cm.describe()}: predicted {p.total:.3g} s an iteration "
+                                 f"at the start (rollout {p.rollout:.3g} s, train {p.train:.3g} s); ranks that "
+                                 f"start in rollout keep an engine to return to")
         self.engines_from = min(self.engines_from, k)
         return k
 
@@ -344,13 +345,14 @@ POLICIES = {k.name: k for k in (
 )}
 
 
-def steady_state_phases(model: IterationModel, forecast: LengthForecast, iterations: int,
-                        most: int | None = None, at: int = 0) -> list[Callable[[int], Prediction]]:
-    """predict(k) for each iteration of one period of the workload's tasks (one batch without a
-    mixture) in steady state, from batch `at` (rounded down to a period's start; 0: the run's first
-    batches): the iteration generates samples of its batch under the configured lengths and trains
-    the one before it in the period. `most`: at most that many iterations of the period, evenly
-    spaced (a long period of task blocks repeats itself)."""
+def steady_state(model: IterationModel, forecast: LengthForecast, iterations: int, most: int | None = None,
+                 at: int = 0):
+    """(predict(k): the mean predicted iteration of k train ranks in steady state under the
+    workload's configured lengths, the number of iterations averaged over). Steady state over one
+    period of the workload's tasks (one batch without a mixture) from batch `at` (rounded down to
+    a period's start; 0: the run's first batches): each iteration generates samples of its batch
+    and trains the one before it in the period; `most`: at most that many iterations of the
+    period, evenly spaced (a long period of task blocks repeats itself)."""
     w = forecast.w
     period = min(len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1, iterations)
     phases = list(range(period))[::max(-(-period // most), 1)] if most else list(range(period))
@@ -359,15 +361,10 @@ def steady_state_phases(model: IterationModel, forecast: LengthForecast, iterati
         samples = [forecast.prior(b) for b in range(period)]
     else:
         samples = [workload_sample(w, forecast.seed, start + b, forecast.ppb, forecast.spp) for b in range(period)]
-    return [lambda k, b=b: model.expected(samples[b], samples[b - 1], k) for b in phases]
 
-
-def steady_state(model: IterationModel, forecast: LengthForecast, iterations: int, most: int | None = None,
-                 at: int = 0):
-    """(predict(k): the mean predicted iteration of k train ranks over a period in steady state,
-    the number of iterations averaged over); see steady_state_phases."""
-    each = steady_state_phases(model, forecast, iterations, most, at)
-    return (lambda k: Prediction.mean([predict(k) for predict in each])), len(each)
+    def predict(k: int) -> Prediction:
+        return Prediction.mean([model.expected(samples[b], samples[b - 1], k) for b in phases])
+    return predict, len(phases)
 
 
 # rollout.migration_threshold=auto: the (threshold, tail ranks) the cost model chooses among

@@ -102,9 +102,9 @@ def direction_changes(splits: list[int]) -> int:
 def acceptance(r, dynamic: dict) -> dict:
     """The dynamic policy's figures of merit from a workload's throughputs `r` (row -> x hindsight
     static): against the oracle and against the oracle without foresight (expected lengths), the
-    share of the oracle's gain over the pilot split it captures, its resizes and reversals of direction, and its decisions' wall time here: the median, and
-    the total as a share of the run (rank 0 decides while every rank waits; the simulated time
-    leaves it out)."""
+    share of the oracle's gain over the pilot split it captures, its resizes and reversals of
+    direction, and its decisions' wall time here: the median, and the total as a share of the run
+    (rank 0 decides while every rank waits; the simulated time leaves it out)."""
     gain = r["oracle"] / r["static, pilot"] - 1
     return {"dynamic_vs_oracle": r["dynamic"] / r["oracle"],
             "dynamic_vs_expected": r["dynamic"] / r["oracle, expected lengths"],
@@ -278,7 +278,8 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
     df.to_csv(os.path.join(out, "summary.csv"), index=False)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("Throughput relative to the hindsight-best static split (same seed and cost model per row); "
-                "dynamic_vs_oracle, dynamic_vs_expected (dynamic / the oracle without foresight), the share of the oracle's gain over the pilot split that dynamic captures, "
+                "dynamic_vs_oracle, dynamic_vs_expected (dynamic / the oracle without foresight), the share "
+                "of the oracle's gain over the pilot split that dynamic captures, "
                 "the dynamic run's resizes and reversals of direction (turns), and its decisions' wall time on "
                 "this machine (decide_s: the median in seconds; decide_share: their total / the run's simulated "
                 "time).\n\n")
