@@ -357,13 +357,15 @@ def steady_state(model: IterationModel, forecast: LengthForecast, iterations: in
     period = min(len(w.mixture) * max(w.mixture_block, 1) if w.mixture else 1, iterations)
     phases = list(range(period))[::max(-(-period // most), 1)] if most else list(range(period))
     start = at // period * period
+    # only the batches priced: a phase and the one before it in the period
+    needed = {b for p in phases for b in (p, (p - 1) % period)}
     if start == 0:            # the forecast's own samples, which it uses until it has seen a task
-        samples = [forecast.prior(b) for b in range(period)]
+        samples = {b: forecast.prior(b) for b in needed}
     else:
-        samples = [workload_sample(w, forecast.seed, start + b, forecast.ppb, forecast.spp) for b in range(period)]
+        samples = {b: workload_sample(w, forecast.seed, start + b, forecast.ppb, forecast.spp) for b in needed}
 
     def predict(k: int) -> Prediction:
-        return Prediction.mean([model.expected(samples[b], samples[b - 1], k) for b in phases])
+        return Prediction.mean([model.expected(samples[b], samples[(b - 1) % period], k) for b in phases])
     return predict, len(phases)
 
 
