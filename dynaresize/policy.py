@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .migration import priced_migration
-from .prediction import IterationModel, LengthForecast, Prediction, workload_sample
+from .prediction import ENSEMBLE, IterationModel, LengthForecast, Prediction, workload_sample
 
 START_POINTS = 4      # points of the run (its start and quarters) where policy.train_ranks=auto prices splits
 START_PHASES = 8      # iterations of a task period it averages over at each point (evenly spaced)
@@ -173,32 +173,67 @@ class DynamicPolicy(Policy):
         self.measured: set[str] = set()                        # which of them have a measurement
         self.engines_from = self.world                         # ranks >= this have had an engine
         self.last_move: tuple[str, float] | None = None        # (destination, predicted switch time)
+        self.run_split: int | None = None                      # the split the configured run wants
+        self.anchor: int | None = None    # the split the next decision weighs a plan against, if not the current
         self.start_reason = ""
 
     # --- start-up ------------------------------------------------------------------------------
     def initial_train_ranks(self) -> int:
         if self.cfg.train_ranks != "auto":
-            k = int(self.cfg.train_ranks)
+            k = self.run_split = int(self.cfg.train_ranks)
         else:
-            # The most rollout ranks the configured run will want: a rank that starts in rollout
-            # keeps its engine parked while it trains, so a later move back into rollout wakes it,
-            # where a rank that never generated would start one cold (the costliest switch).
-            points = sorted({self.iterations * j // START_POINTS for j in range(START_POINTS)})
-            bests = []
-            for at in points:
-                predict, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES, at)
-                bests.append(self.model.best_split(predict, exhaustive=tasks > 1))
-                if at == 0:
-                    at_start = predict
-            k = min(bests)
-            p = at_start(k)
-            self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout, the fewest "
-                                 f"among the best splits {bests} of the configured workload at batches {points}"
-                                 + (f" (each averaged over {tasks} batches of its tasks)" if tasks > 1 else "")
-                                 + f", priced by {self.model.cm.describe()}: predicted {p.total:.3g} s an iteration "
-                                 f"at the start (rollout {p.rollout:.3g} s, train {p.train:.3g} s); ranks that "
-                                 f"start in rollout keep an engine to return to")
+            k = self.run_split = self._run_split()
+            first = self._first_iteration_split(k)
+            if first is not None:
+                k, self.anchor = first, self.run_split
         self.engines_from = min(self.engines_from, k)
+        return k
+
+    def _run_split(self) -> int:
+        """policy.train_ranks=auto: the split the configured run wants, and why (start_reason).
+
+        The most rollout ranks the configured run will want: a rank that starts in rollout keeps
+        its engine parked while it trains, so a later move back into rollout wakes it, where a
+        rank that never generated would start one cold (the costliest switch)."""
+        points = sorted({self.iterations * j // START_POINTS for j in range(START_POINTS)})
+        bests = []
+        for at in points:
+            predict, tasks = steady_state(self.model, self.forecast, self.iterations, START_PHASES, at)
+            bests.append(self.model.best_split(predict, exhaustive=tasks > 1))
+            if at == 0:
+                at_start = predict
+        k = min(bests)
+        p = at_start(k)
+        self.start_reason = (f"policy.train_ranks=auto: {k} train ranks, {self.world - k} rollout, the fewest "
+                             f"among the best splits {bests} of the configured workload at batches {points}"
+                             + (f" (each averaged over {tasks} batches of its tasks)" if tasks > 1 else "")
+                             + f", priced by {self.model.cm.describe()}: predicted {p.total:.3g} s an iteration "
+                             f"at the start (rollout {p.rollout:.3g} s, train {p.train:.3g} s); ranks that "
+                             f"start in rollout keep an engine to return to")
+        return k
+
+    def _first_iteration_split(self, run_split: int) -> int | None:
+        """The split of the first iteration when it differs from the run's: one step off-policy,
+        iteration 0 only generates (nothing is trained yet), so it runs on the split that generates
+        its batch fastest, and the ranks the run wants in training move there after it, with their
+        engines parked (later moves into rollout wake them instead of starting them cold). Taken
+        only if the iteration saves more than that move costs, by more than the dead band."""
+        if self.max_lag < 1 or self.iterations + self.max_lag < 2:
+            return None
+        batches = self.forecast.prior(0)
+
+        def generate_only(k: int) -> Prediction:
+            return self.model.expected(batches, None, k)
+        k = self.model.best_split(generate_only)
+        if k >= run_split:
+            return None
+        at_run, first = generate_only(run_split).total, generate_only(k).total
+        move = self._switch_cost(k, run_split, engines_from=k)
+        if at_run - first - move <= self.cfg.dead_band * at_run:
+            return None
+        self.start_reason += (f"; the first iteration only generates: {k} train ranks there ({first:.3g} s "
+                              f"predicted, against {at_run:.3g} s on the run's split), then {run_split} after "
+                              f"it ({move:.3g} s to move)")
         return k
 
     # --- every iteration -----------------------------------------------------------------------
@@ -206,27 +241,41 @@ class DynamicPolicy(Policy):
         self._learn(s)
         nxt = s.iteration + 1
         horizon = min(self.cfg.horizon, self.iterations + self.max_lag - nxt)
+        # the plan is weighed against staying put, or against the run's split after a first
+        # iteration on a split of its own (initial_train_ranks)
+        anchor, self.anchor = (s.train_ranks if self.anchor is None else self.anchor), None
         if horizon <= 0:
             return self._keep(s, "last iteration")
-        plan, stay, best, first = self._plan(s.train_ranks, nxt, horizon)
-        k2 = plan[0]
+        plan, stay, best, first = self._plan(s.train_ranks, anchor, nxt, horizon)
         saving = stay - best
+        band = self.dead_band(nxt)
+        k2 = plan[0]
+        inside_band = k2 != anchor and saving <= band * stay       # hysteresis: not worth leaving the anchor
+        if inside_band:
+            k2 = anchor
         p = first[k2]
         attrs = {"predicted_s": round(p.total, 6), "best_next": min(first, key=lambda k: (first[k].total, k)),
-                 "plan": plan, "horizon": horizon, "scale_rollout": round(self.scale["rollout"], 4),
-                 "scale_train": round(self.scale["train"], 4)}
+                 "plan": plan, "horizon": horizon, "dead_band": round(band, 4),
+                 "scale_rollout": round(self.scale["rollout"], 4), "scale_train": round(self.scale["train"], 4)}
         if k2 == s.train_ranks:
-            return self._keep(s, "plan: stay", first[k2], attrs, saving)
-        if saving <= self.cfg.dead_band * stay:
-            attrs["predicted_s"] = round(first[s.train_ranks].total, 6)
-            return self._keep(s, "saving inside the dead band", first[s.train_ranks], attrs, saving)
+            return self._keep(s, "saving inside the dead band" if inside_band else "plan: stay", p, attrs, saving)
+        reason = (("the run's split" + (" (dead band)" if inside_band else "")) if k2 == anchor
+                  else f"plan saves {saving:.3g} s over {horizon} iterations")
         cost = self._switch_cost(s.train_ranks, k2)
         attrs["predicted_s"] = round(p.total + cost, 6)       # the iteration after the move pays the switch
         self.last_move = ("rollout" if k2 < s.train_ranks else "train", cost)
         self.engines_from = min(self.engines_from, k2)
         why = "to rollout" if k2 < s.train_ranks else "to training"
-        return Decision(s.iteration, s.train_ranks, k2, f"move {why}: plan saves {saving:.3g} s over "
-                        f"{horizon} iterations", p.rollout, p.train, saving, cost, attrs)
+        return Decision(s.iteration, s.train_ranks, k2, f"move {why}: {reason}", p.rollout, p.train, saving, cost,
+                        attrs)
+
+    def dead_band(self, b: int) -> float:
+        """The share of the horizon's time a plan must save to move, before batch b is generated:
+        policy.dead_band, widened while the forecast of batch b replays few batches (its noise
+        falls as 1/sqrt of them: a task's first batch alone once made a stationary run move 16
+        ranks and come back)."""
+        n = self.forecast.replayed(b) if b < self.iterations else ENSEMBLE
+        return self.cfg.dead_band * math.sqrt(ENSEMBLE / n)
 
     def _learn(self, s: IterationStats) -> None:
         if self.last_move is not None and s.switch_time > 0:
@@ -252,9 +301,10 @@ class DynamicPolicy(Policy):
         self.scale[key] = a * ratio + (1 - a) * self.scale[key]
         self.measured.add(key)
 
-    def _plan(self, cur: int, nxt: int, horizon: int):
-        """(splits of the cheapest plan, the horizon's time staying at `cur`, the plan's time, the
-        next iteration's predictions by split)."""
+    def _plan(self, cur: int, anchor: int, nxt: int, horizon: int):
+        """(splits of the cheapest plan from `cur`, the horizon's time of moving to `anchor` and
+        staying there (staying at `cur` where they are the same), the plan's time, the next
+        iteration's predictions by split)."""
         lag, memo = self.max_lag, {}
         steps = []
         for j in range(nxt, nxt + horizon):
@@ -278,7 +328,7 @@ class DynamicPolicy(Policy):
             if kind not in seen:
                 seen.add(kind)
                 searched.add(h)
-        cands = sorted({cur} | {self.model.best_split(lambda k, h=h: predict(h, k)) for h in searched})
+        cands = sorted({cur, anchor} | {self.model.best_split(lambda k, h=h: predict(h, k)) for h in searched})
         # Dynamic program over the horizon. A state is (split, engines_from): a move into rollout
         # below engines_from starts engines cold, once; later returns wake parked ones.
         start = (cur, self.engines_from)
@@ -292,8 +342,8 @@ class DynamicPolicy(Policy):
                     if state not in new_value or total < new_value[state]:
                         new_value[state], new_paths[state] = total, paths[(k, e)] + [k2]
             value, paths = new_value, new_paths
-        end = min(value, key=lambda st: (value[st], paths[st][0] != cur))
-        stay = sum(predict(h, cur).total for h in range(horizon))
+        end = min(value, key=lambda st: (value[st], paths[st][0] != anchor))
+        stay = self._switch_cost(cur, anchor) + sum(predict(h, anchor).total for h in range(horizon))
         return paths[end], stay, value[end], {k: predict(0, k) for k in cands}
 
     def _switch_cost(self, k: int, k2: int, engines_from: int | None = None) -> float:
@@ -309,7 +359,8 @@ class DynamicPolicy(Policy):
 
     def state(self) -> dict:
         return {"forecast": self.forecast.state(), "scale": dict(self.scale), "measured": sorted(self.measured),
-                "engines_from": self.engines_from, "last_move": list(self.last_move) if self.last_move else None}
+                "engines_from": self.engines_from, "last_move": list(self.last_move) if self.last_move else None,
+                "anchor": self.anchor}
 
     def load_state(self, state: dict) -> None:
         self.forecast.load_state(state["forecast"])
@@ -317,6 +368,7 @@ class DynamicPolicy(Policy):
         self.engines_from = state["engines_from"]
         self.last_move = tuple(state["last_move"]) if state["last_move"] else None
         self.measured = set(state["measured"])
+        self.anchor = state.get("anchor")
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,15 @@ class LengthForecast:
             self._priors[b] = workload_sample(self.w, self.seed, b, self.ppb, self.spp)
         return self._priors[b]
 
+    def replayed(self, b: int) -> int:
+        """How many generated batches the forecast of batch b replays: ENSEMBLE where it is
+        generated already or is the configured workload's sample (a task not seen yet), else the
+        batches of its task seen so far (1 after the task's first batch)."""
+        task = task_index(self.w, b)
+        if b in self.generated or task not in self.recent:
+            return ENSEMBLE
+        return len(self.recent[task])
+
     def forecast(self, b: int) -> tuple[list[Lengths], tuple]:
         """(the forecast of batch b: one or more equally likely batches, a key: equal keys,
         equal forecasts)."""

@@ -14,6 +14,7 @@ from dynaresize.costmodel import CostModel
 from dynaresize.hardware import load_profile
 from dynaresize.policy import DynamicPolicy, IterationStats, ScriptedPolicy, make_policy
 from dynaresize.prediction import IterationModel, Lengths, workload_sample
+from dynaresize.shapes import batch_shape
 
 WORLD = 16
 PROMPTS, SPP = 64, 8
@@ -164,9 +165,61 @@ def test_auto_start_has_the_most_rollout_ranks_the_configured_run_wants():
     policy = DynamicPolicy(cfg, cost(cfg))
     k = policy.initial_train_ranks()
     bests = best_splits(policy, cfg, 1)
-    assert k == min(bests) < bests[0], bests
+    assert k == policy.run_split == min(bests) < bests[0], bests     # (no first iteration of its own here)
     assert "auto" in policy.start_reason and f"{k} train ranks" in policy.start_reason
     assert f"best splits {bests}" in policy.start_reason
+
+
+def workload_batches(cfg, n: int) -> list[Lengths]:
+    """The batches a run of `cfg` generates (its hidden lengths: what the runtime's engines produce)."""
+    return [Lengths.of(batch_shape(cfg.workload, cfg.run.seed, b, PROMPTS, SPP)) for b in range(n)]
+
+
+def test_a_first_iteration_that_only_generates_runs_on_the_most_rollout_ranks():
+    # Long responses (median 3,000): one step off-policy, iteration 0 trains nothing, so every
+    # rank but one generates it; the decision after it moves to the run's split (with one batch
+    # seen, a plan must beat that split by the widened dead band), and the run is shorter.
+    cfg = job(train_ranks="auto", workload={"length_median": 3000})
+    policy = DynamicPolicy(cfg, cost(cfg))
+    k = policy.initial_train_ranks()
+    run_split = policy.run_split
+    assert k == policy.model.candidates[0] < run_split
+    assert f"first iteration only generates: {k} train ranks there" in policy.start_reason
+    assert policy.engines_from == k                     # every rank but the first has an engine
+    batches = workload_batches(cfg, 12)
+    splits, times = closed_loop(policy, batches, k)
+    assert splits[:2] == [k, run_split], splits
+
+    fixed = DynamicPolicy(job(train_ranks=run_split, workload={"length_median": 3000}), policy.model.cm)
+    same_start, same_times = closed_loop(fixed, batches, fixed.initial_train_ranks())
+    assert times[0] < 0.98 * same_times[0], (times[0], same_times[0])
+    assert sum(times) < sum(same_times)
+
+    # Synchronous (max_lag 0), iteration 0 trains too: no split of its own.
+    sync = job(train_ranks="auto", workload={"length_median": 3000})
+    sync.run.max_lag = 0
+    policy = DynamicPolicy(sync, cost(sync))
+    assert policy.initial_train_ranks() == policy.run_split
+    # Short responses: the first iteration would save less than the move after it costs.
+    short = job(train_ranks="auto", workload={"length_median": 50, "length_max": 200})
+    policy = DynamicPolicy(short, cost(short))
+    assert policy.initial_train_ranks() == policy.run_split and "first iteration" not in policy.start_reason
+
+
+def test_the_dead_band_is_wider_while_a_task_has_few_batches_seen():
+    # A forecast replays the batches of its task seen so far; its noise falls as 1/sqrt of them.
+    mixture = {"mixture": [{"length_median": 3000}, {"length_median": 200}], "mixture_block": 1}
+    cfg = job(workload=mixture)
+    policy = DynamicPolicy(cfg, cost(cfg))
+    band = cfg.policy.dead_band
+    assert policy.dead_band(0) == pytest.approx(band)                  # the configured workload's sample
+    batches = workload_batches(cfg, 40)
+    policy.forecast.observe(0, batches[0])
+    assert policy.dead_band(2) == pytest.approx(4 * band)              # task 0: one batch seen
+    assert policy.dead_band(1) == pytest.approx(band)                  # task 1: not seen yet
+    for b in range(1, 40):
+        policy.forecast.observe(b, batches[b])
+    assert policy.dead_band(40) == pytest.approx(band)                 # 16 of them (ENSEMBLE)
 
 
 def test_learns_the_cost_models_error_and_the_switch_cost():
@@ -236,7 +289,8 @@ def test_auto_start_of_a_mixture_weighs_every_task():
     mixture = {"mixture": [{"length_median": 3000}, {"length_median": 200}], "mixture_block": 1}
     cfg = job(train_ranks="auto", workload=mixture)
     policy = DynamicPolicy(cfg, cost(cfg))
-    k = policy.initial_train_ranks()
+    policy.initial_train_ranks()
+    k = policy.run_split
     assert "each averaged over 2 batches of its tasks" in policy.start_reason
     assert k == min(best_splits(policy, cfg, 2))
     long = policy.forecast.prior(0)
