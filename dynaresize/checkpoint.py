@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from .config import ConfigError, JobConfig, to_yaml
-from .flat import shard_range
 from .policy import Decision
 from .roles import Role, RoleTable
 from .staging import make_private_dir, read_range, read_shard, shard_path, write_shard
+from .switchplan import shard_range
 from .types import Sample
 
 CHECKPOINTS = "checkpoints"

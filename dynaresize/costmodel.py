@@ -428,16 +428,17 @@ class CostModel:
             return (c.write_base_s + c.write_per_byte_s * nbytes) * self.scale
         return (c.read_base_s + c.read_per_byte_s * nbytes) * self.scale
 
-    def reshard_time(self, nbytes: int, ranks: int, broadcasts: int) -> float:
-        """Network transport: each of `broadcasts` old owners broadcasts its shard to the `ranks`
-        of the train block; `nbytes` in total."""
+    def reshard_time(self, nbytes: int, ranks: int, messages: int) -> float:
+        """Network transport among the `ranks` of the train block (switchplan.reshard_load): point
+        to point, all messages at once; it lasts as long as the rank that moves the most, `nbytes`
+        in `messages` messages (each pays a collective step's latency)."""
         c = self.coef.sync
         multi = self.multi_node(ranks)
         per_byte = c.per_byte_inter_s if multi else c.per_byte_intra_s
-        return (broadcasts * (c.base_s + c.latency_s * _log2_steps(ranks)) + per_byte * nbytes) * self.scale
+        return (c.base_s + messages * c.latency_s + per_byte * nbytes) * self.scale
 
     # --- switch operations -------------------------------------------------------------------
-    def switch_op_time(self, name: str, nbytes: int = 0, ranks: int = 1, broadcasts: int = 1,
+    def switch_op_time(self, name: str, nbytes: int = 0, ranks: int = 1, messages: int = 1,
                        restore: bool = False, release_mode: str = "sleep", colocated: bool | None = None) -> float:
         """One switch operation (schema.SWITCH_OPS) on one rank.
 
@@ -471,7 +472,7 @@ class CostModel:
         if name == "stage_in":
             return self.staging_time(nbytes, write=False)
         if name == "reshard":
-            return self.reshard_time(nbytes, ranks, broadcasts)
+            return self.reshard_time(nbytes, ranks, messages)
         if name == "drain":
             return o.drain_s * self.scale
         raise ValueError(f"unknown switch operation {name!r}")

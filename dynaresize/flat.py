@@ -52,8 +52,3 @@ def model_to_flat(model, layout: FlatLayout, dtype=torch.float32) -> torch.Tenso
     return torch.cat([params[name].detach().reshape(-1).to(dtype) for name in layout.names])
 
 
-def shard_range(numel: int, shards: int, index: int) -> tuple[int, int]:
-    """The contiguous [lo, hi) range of shard `index` out of `shards` (equal sizes, last shorter)."""
-    size = -(-numel // shards)
-    lo = min(index * size, numel)
-    return lo, min(lo + size, numel)

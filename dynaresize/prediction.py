@@ -30,6 +30,7 @@ from .migration import tail_schedule
 from .placement import assign_micro_batches, place_prompts
 from .stealing import claim_schedule, queue_order
 from .shapes import batch_shape, generated_prompts, response_cap, task_index
+from .switchplan import reshard_load
 
 EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
 NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
@@ -256,8 +257,11 @@ class IterationModel:
             return 0.0
         cm, W = self.cm, self.world
         t = cm.switch_op_time("commit", ranks=W) + cm.switch_op_time("group_switch")
-        state = (cm.switch_op_time("reshard", nbytes=3 * 4 * cm.numel, ranks=max(k, k2), broadcasts=k) if network
-                 else cm.switch_op_time("stage_out", nbytes=cm.shard_bytes(k)))
+        if network:
+            moved, messages = reshard_load(cm.numel, k, k2)
+            state = cm.switch_op_time("reshard", nbytes=max(moved), ranks=max(k, k2), messages=messages)
+        else:
+            state = cm.switch_op_time("stage_out", nbytes=cm.shard_bytes(k))
         if k2 > k:        # into training: release the engine, get train rank 0's weights (stage-in overlaps)
             t += cm.switch_op_time("release", release_mode=release_mode)
             t += cm.switch_op_time("weight_load", nbytes=cm.weight_bytes, ranks=k2)

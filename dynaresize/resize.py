@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from . import switchplan
-from .flat import shard_range
 from .policy import Decision
 from .roles import RoleTable
 from .staging import STATE_FIELDS, read_shard, shard_path, write_shard
+from .switchplan import shard_range
 from .timeline.schema import BACKGROUND, CRITICAL
 from .types import RankState, ShardState
 
@@ -196,7 +196,7 @@ class SwitchRun:
         with self.timer.op(op.name, price=op.price) as ev:
             self.new_shard = reshard_over_network(job, self.registry, self.shard, self.k, self.k2,
                                                   job.layout.numel)
-            ev["bytes"] = 3 * (self.shard.hi - self.shard.lo) * 4 if self.shard is not None else 0
+            ev["bytes"] = switchplan.reshard_load(job.layout.numel, self.k, self.k2)[0][self.r]
 
     def stage_out(self, op) -> None:
         job, staging = self.job, self.staging
@@ -269,28 +269,39 @@ class SwitchRun:
 def reshard_over_network(job, registry, shard: ShardState | None, k: int, k2: int, numel: int) -> ShardState | None:
     """Move ranges between old and new owners over the data plane (ranks on different nodes).
 
-    Every rank of the train group [0, max(k, k')) takes part: each old owner broadcasts its shard
-    and each new owner keeps the overlap with its new range. Critical: collectives run on the main
-    thread.
+    Point to point (switchplan.reshard_transfers): each part of a new owner's range that another
+    rank holds comes in one message from that rank, all messages at once; what a rank holds of its
+    own new range stays. So a rank sends at most its old range and receives at most its new one.
+    Each message carries the AdamW step after the three fields (a joining rank has none of its
+    own). Critical: it runs on the main thread, in the train group [0, max(k, k')).
     """
-    K, r = max(k, k2), job.rank
-    group = registry.get("train", K) if K < job.world else dist.group.WORLD
+    r = job.rank
+    group = registry.get("train", max(k, k2)) if max(k, k2) < job.world else dist.group.WORLD
     lo, hi = shard_range(numel, k2, r) if r < k2 else (0, 0)
     parts = {name: torch.zeros(hi - lo, device=job.device) for name in STATE_FIELDS}
-    step = 0
-    for q in range(k):
-        q_lo, q_hi = shard_range(numel, k, q)
-        n = q_hi - q_lo
-        buf = torch.empty(3 * n + 1, device=job.device)     # the three fields, then the step count
-        if r == q:
-            buf.copy_(torch.cat([getattr(shard, f).detach().reshape(-1) for f in STATE_FIELDS] +
-                                [torch.tensor([float(shard.step)], device=job.device)]))
-        dist.broadcast(buf, src=q, group=group)
+    step = shard.step if shard is not None else None
+    if shard is not None and r < k2:                 # its own part of the new range stays
+        a, b = max(lo, shard.lo), min(hi, shard.hi)
+        for name in STATE_FIELDS:
+            parts[name][a - lo:b - lo] = getattr(shard, name).detach().reshape(-1)[a - shard.lo:b - shard.lo]
+    ops, received = [], []
+    for q, dst, a, b in switchplan.reshard_transfers(numel, k, k2):
+        if q == r:
+            fields = [getattr(shard, name).detach().reshape(-1)[a - shard.lo:b - shard.lo] for name in STATE_FIELDS]
+            buf = torch.cat(fields + [torch.tensor([float(shard.step)], device=job.device)])
+            ops.append(dist.P2POp(dist.isend, buf, dst, group))
+        elif dst == r:
+            buf = torch.empty(3 * (b - a) + 1, device=job.device)
+            ops.append(dist.P2POp(dist.irecv, buf, q, group))
+            received.append((buf, a, b))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    for buf, a, b in received:
+        n = b - a
+        for i, name in enumerate(STATE_FIELDS):
+            parts[name][a - lo:b - lo] = buf[i * n:(i + 1) * n]
         step = int(buf[-1].item())
-        a, b = max(lo, q_lo), min(hi, q_hi)
-        if a < b:
-            for i, name in enumerate(STATE_FIELDS):
-                parts[name][a - lo:b - lo] = buf[i * n + a - q_lo:i * n + b - q_lo]
     if r >= k2:
         return None
     return ShardState(lo, hi, parts["params"], parts["exp_avg"], parts["exp_avg_sq"], step)

@@ -14,7 +14,9 @@ both prefixes of the ranks), in this order:
   new owners              stage_in of their new range .... (background until the optimizer step)
 
 Across nodes (`staging.transport`: network, or auto when the train block [0, max(k, k')) spans
-nodes) a collective reshard over the data plane replaces stage_out and stage_in. Only what the next
+nodes) a reshard over the data plane replaces stage_out and stage_in: every part of a new owner's
+range that another rank holds comes in one point-to-point message from it (reshard_transfers), so
+a rank moves at most its old or its new range, never the whole state. Only what the next
 stage needs in order to start is critical; optimizer state is needed at the optimizer step, after
 the forward and backward passes, so staging overlaps them (staging.critical=true, a benchmark
 baseline, puts it on the critical path). The commit comes first: every rank acknowledges the new
@@ -22,6 +24,7 @@ table version before any rank acts on it; the groups come next because a reshard
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -93,9 +96,9 @@ def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: s
     if joining:
         ops.append(Op("release", joining, True, price={"release_mode": release_mode}))
     if transport == "network":
-        block = tuple(range(K))
-        ops.append(Op("reshard", block, True, tuple(shard_bytes(numel, k) if r < k else 0 for r in block),
-                      collective=True, price={"nbytes": STATE_BYTES_PER_PARAM * numel, "ranks": K, "broadcasts": k}))
+        moved, messages = reshard_load(numel, k, k2)
+        ops.append(Op("reshard", tuple(range(K)), True, moved, collective=True,
+                      price={"nbytes": max(moved), "ranks": K, "messages": messages}))
     else:
         out = shard_bytes(numel, k)
         if staying:
@@ -116,14 +119,50 @@ def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: s
     return SwitchPlan(old, new, transport, tuple(ops), frozenset((set(parked) | set(joining)) - set(leaving)))
 
 
+def shard_range(numel: int, shards: int, index: int) -> tuple[int, int]:
+    """The contiguous [lo, hi) range of shard `index` out of `shards` (equal sizes, last shorter)."""
+    size = -(-numel // shards)
+    lo = min(index * size, numel)
+    return lo, min(lo + size, numel)
+
+
 def sources(numel: int, k: int, k2: int, rank: int) -> range:
     """The old owners (of k shards) whose ranges overlap `rank`'s new range (of k2): the stage_outs
     its stage_in waits for."""
-    size_old, size_new = math.ceil(numel / k), math.ceil(numel / k2)
-    lo, hi = min(rank * size_new, numel), min((rank + 1) * size_new, numel)
+    size_old = -(-numel // k)
+    lo, hi = shard_range(numel, k2, rank)
     if hi <= lo:
         return range(0)
     return range(lo // size_old, min((hi - 1) // size_old, k - 1) + 1)
+
+
+def reshard_transfers(numel: int, k: int, k2: int) -> list[tuple[int, int, int, int]]:
+    """The network reshard's messages from k to k2 owners: (old owner, new owner, lo, hi) for every
+    part [lo, hi) of a new owner's range that another rank holds, by new owner, then old owner.
+    What a rank holds of its own new range stays where it is."""
+    moves = []
+    for r in range(k2):
+        lo, hi = shard_range(numel, k2, r)
+        for q in sources(numel, k, k2, r):
+            q_lo, q_hi = shard_range(numel, k, q)
+            a, b = max(lo, q_lo), min(hi, q_hi)
+            if a < b and q != r:
+                moves.append((q, r, a, b))
+    return moves
+
+
+@functools.lru_cache(maxsize=4096)          # the dynamic policy prices the same switches again and again
+def reshard_load(numel: int, k: int, k2: int) -> tuple[tuple[int, ...], int]:
+    """(the bytes each rank of [0, max(k, k2)) sends or receives in the network reshard, whichever
+    is more (a rank's link carries both ways at once), the most messages one rank takes part in)."""
+    K = max(k, k2)
+    sent, received, messages = [0] * K, [0] * K, [0] * K
+    for q, r, lo, hi in reshard_transfers(numel, k, k2):
+        sent[q] += STATE_BYTES_PER_PARAM * (hi - lo)
+        received[r] += STATE_BYTES_PER_PARAM * (hi - lo)
+        messages[q] += 1
+        messages[r] += 1
+    return tuple(max(s, v) for s, v in zip(sent, received)), max(messages, default=0)
 
 
 def format_plan(p: SwitchPlan) -> str:

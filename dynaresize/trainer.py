@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainerConfig
-from .flat import FlatLayout, bind_model_to_flat, shard_range
+from .flat import FlatLayout, bind_model_to_flat
 from .model import PAD_ID, trainable_parameters
 from .placement import assign_micro_batches
+from .switchplan import shard_range
 from .types import Sample, ShardState
 
 REDUCE_DTYPES = {"float32": torch.float32, "float64": torch.float64}

@@ -179,6 +179,11 @@ def test_switch_plan_critical_and_background(tmp_path):
                           "staging.transport=network"))
     assert crit(events(net, "reshard", 1)) == {0, 1} and crit(events(net, "reshard", 2)) == {0, 1, 2}
     assert len(events(net, "stage_out")) == 0
+    # point to point: 2 -> 1 moves rank 1's range to rank 0; 1 -> 3 rank 0's two thirds to ranks 1, 2
+    third = 12 * -(-int(attrs["parameters"]) // 3)
+    for it, moved in ((1, [12 * (int(attrs["parameters"]) // 2)] * 2), (2, [2 * third, third, third])):
+        e = events(net, "reshard", it)
+        assert e["bytes"][np.argsort(e["rank"])].tolist() == pytest.approx(moved, abs=24), it
 
 
 def test_colocated_switches_engine_memory_every_iteration(tmp_path):

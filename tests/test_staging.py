@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from dynaresize.flat import shard_range
 from dynaresize.staging import (StagingError, make_private_dir, read_range, read_shard, shard_path,
                                 wait_for, write_shard)
+from dynaresize.switchplan import shard_range
 from dynaresize.types import ShardState
 
 RUN = "0123456789abcdef"

@@ -42,7 +42,10 @@ def test_shrinking_training_across_nodes_reshards_and_wakes_parked_engines():
     engine_start = p.ops[3]
     assert engine_start.restored == (False, True, True, True)               # rank 1 never generated
     assert engine_start.price_for(1)["restore"] is False and engine_start.price_for(4)["restore"] is True
-    assert p.ops[2].nbytes == (12 * 200,) * 5                               # every old owner sends its range
+    # rank 0 keeps its range [0, 200) and receives the other four; each of them sends its own
+    reshard = p.ops[2]
+    assert reshard.nbytes == (12 * 800,) + (12 * 200,) * 4
+    assert reshard.price == {"nbytes": 12 * 800, "ranks": 5, "messages": 4}
     assert p.parked_after == frozenset()
 
 
@@ -65,6 +68,30 @@ def test_stage_in_waits_for_exactly_the_old_owners_of_its_range(k, k2):
         lo, hi = rank * size_new, min((rank + 1) * size_new, numel)
         owners = {q for q in range(k) if q * size_old < hi and min((q + 1) * size_old, numel) > lo}
         assert set(switchplan.sources(numel, k, k2, rank)) == owners
+
+
+@pytest.mark.parametrize("k, k2", [(2, 5), (5, 2), (3, 7), (7, 3), (4, 4), (1, 6), (6, 1), (40, 56), (52, 6)])
+def test_the_network_reshard_moves_each_range_once_and_no_rank_more_than_its_own(k, k2):
+    numel = 100_003
+    transfers = switchplan.reshard_transfers(numel, k, k2)
+    for r in range(k2):                       # the new range: what r held of it, plus what it receives
+        lo, hi = switchplan.shard_range(numel, k2, r)
+        parts = [(a, b) for q, dst, a, b in transfers if dst == r]
+        if r < k:
+            q_lo, q_hi = switchplan.shard_range(numel, k, r)
+            if max(lo, q_lo) < min(hi, q_hi):
+                parts.append((max(lo, q_lo), min(hi, q_hi)))
+        parts.sort()
+        assert parts[0][0] == lo and parts[-1][1] == hi and all(b == c for (_, b), (c, _) in zip(parts, parts[1:]))
+    for q, dst, a, b in transfers:            # from the rank that holds it, never to itself
+        q_lo, q_hi = switchplan.shard_range(numel, k, q)
+        assert q != dst and q_lo <= a < b <= q_hi
+    moved, messages = switchplan.reshard_load(numel, k, k2)
+    most = 12 * max(-(-numel // k), -(-numel // k2))
+    assert len(moved) == max(k, k2) and max(moved) <= most
+    # against broadcasting every shard to every rank of the block (12 bytes a parameter to all)
+    assert max(moved) < 12 * numel or min(k, k2) == 1
+    assert messages == max(sum(1 for t in transfers if r in t[:2]) for r in range(max(k, k2)))
 
 
 def test_format_plan_names_every_operation():
