@@ -273,7 +273,8 @@ def reshard_over_network(job, registry, shard: ShardState | None, k: int, k2: in
     rank holds comes in one message from that rank, all messages at once; what a rank holds of its
     own new range stays. So a rank sends at most its old range and receives at most its new one.
     Each message carries the AdamW step after the three fields (a joining rank has none of its
-    own). Critical: it runs on the main thread, in the train group [0, max(k, k')).
+    own). Critical: it runs on the main thread, in the train group [0, max(k, k')); every rank of
+    it sends or receives (old and new ranges differ), as NCCL asks of a group's first batched call.
     """
     r = job.rank
     group = registry.get("train", max(k, k2)) if max(k, k2) < job.world else dist.group.WORLD

@@ -92,6 +92,9 @@ def test_the_network_reshard_moves_each_range_once_and_no_rank_more_than_its_own
     # against broadcasting every shard to every rank of the block (12 bytes a parameter to all)
     assert max(moved) < 12 * numel or min(k, k2) == 1
     assert messages == max(sum(1 for t in transfers if r in t[:2]) for r in range(max(k, k2)))
+    # NCCL: a group's first batched point-to-point call must include every rank of the group
+    takes_part = {r for t in transfers for r in t[:2]}
+    assert takes_part == (set(range(max(k, k2))) if k != k2 else set())
 
 
 def test_format_plan_names_every_operation():
