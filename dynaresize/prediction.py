@@ -10,7 +10,10 @@ the oracle (dynaresize.sim) and the start-up choice of a split (`policy.train_ra
 - `LengthForecast` says what a batch not generated yet will look like, from what a real system
   knows: the lengths of the batches already generated (per task of a mixture), their trend, and the
   configuration (the response cap of each batch, how many prompts a batch has, which task it is).
-  It never reads a batch's hidden response lengths before the batch is generated.
+  It never reads a batch's hidden response lengths before the batch is generated. A response cut
+  at its batch's cap says only that it would have been at least that long: past a cap rise, those
+  responses are given the lengths of the tail a log-normal fitted to the batch puts beyond the old
+  cap (`uncensor`).
 
 The oracle gives IterationModel the true batches (it knows the future); the dynamic policy gives it
 the forecast ones and corrects the cost model by the ratio of measured to predicted stage times.
@@ -18,6 +21,7 @@ the forecast ones and corrects the cost model by the ratio of measured to predic
 from __future__ import annotations
 
 import math
+import statistics
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -279,12 +283,31 @@ def workload_sample(workload, seed: int, b: int, prompts_per_batch: int, samples
             for i in range(n)]
 
 
+def uncensor(lengths: np.ndarray, cut: int) -> np.ndarray:
+    """`lengths` with the responses cut at `cut` (known only to be at least that long) replaced by
+    evenly spaced quantiles of the tail beyond `cut` of a log-normal fitted to the batch: its median
+    and 16th percentile, both below the cut while under half the batch is cut. Unchanged if no
+    response is cut, or half or more are (too little left to fit)."""
+    is_cut = lengths >= cut
+    n_cut = int(is_cut.sum())
+    if n_cut == 0 or 2 * n_cut >= lengths.size:
+        return lengths
+    q16, q50 = np.quantile(np.log(np.maximum(lengths, 1)), [0.158655, 0.5])
+    normal = statistics.NormalDist(float(q50), max(float(q50 - q16), 1e-6))
+    beyond = normal.cdf(math.log(cut))
+    tail = [math.exp(normal.inv_cdf(beyond + (1 - beyond) * (i + 0.5) / n_cut)) for i in range(n_cut)]
+    out = lengths.copy()
+    out[is_cut] = np.maximum(np.round(tail), cut).astype(lengths.dtype)
+    return out
+
+
 class LengthForecast:
     """The batches of the coming iterations, from the batches generated so far (see the module
     docstring). Per task of a mixture (tasks rotate by a configured schedule), the forecast of a
     batch is an ensemble: the task's last ENSEMBLE generated batches, each grown by the task's
     trend over the batches between (a least-squares slope of log mean length over the last
-    TREND_WINDOW) and cut at the forecast batch's configured cap. A rollout's time is floored by
+    TREND_WINDOW) and cut at the forecast batch's configured cap (responses cut at a lower cap of
+    their own batch continue past it: `uncensor`). A rollout's time is floored by
     its longest sequences, which differ from batch to batch: a prediction averaged over several
     batches estimates the expected time, where one batch would chase the noise of its tail. A task
     not seen yet is a sample of the configured workload (drawn with a seed of its own, not the
@@ -362,13 +385,16 @@ class LengthForecast:
         members, key = [], []
         for b0, seen in self.recent[task]:
             scale = math.exp(growth * (b - b0))
-            if scale == 1.0 and n == seen.prompts and seen.trained_prompts == min(self.ppb, n) \
+            cut = response_cap(self.w, b0)
+            cap_rises = cut < cap and seen.response_lens.max(initial=0) >= cut
+            if scale == 1.0 and not cap_rises and n == seen.prompts and seen.trained_prompts == min(self.ppb, n) \
                     and 1 <= seen.response_lens.min() and seen.response_lens.max() <= cap:
                 members.append(seen)                  # the batch as seen
             else:
                 if self._members.get((b0, b), (None,))[0] != scale:
                     rows = np.arange(n) % seen.prompts    # a batch of another size repeats the rows seen
-                    lens = np.clip(np.round(seen.response_lens[rows] * scale), 1, cap).astype(np.int64)
+                    lens = uncensor(seen.response_lens, cut) if cap_rises else seen.response_lens
+                    lens = np.clip(np.round(lens[rows] * scale), 1, cap).astype(np.int64)
                     self._members[b0, b] = scale, Lengths(seen.prompt_lens[rows], lens, min(self.ppb, n))
                 members.append(self._members[b0, b][1])
             key.append((b0, round(scale, 2)))
@@ -387,4 +413,4 @@ class LengthForecast:
         self.trend = {int(t): deque((tuple(p) for p in d), maxlen=TREND_WINDOW) for t, d in state["trend"]}
 
 
-__all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast", "workload_sample"]
+__all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast", "uncensor", "workload_sample"]

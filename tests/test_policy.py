@@ -13,7 +13,7 @@ from dynaresize.config import load_config
 from dynaresize.costmodel import CostModel
 from dynaresize.hardware import load_profile
 from dynaresize.policy import DynamicPolicy, IterationStats, ScriptedPolicy, make_policy
-from dynaresize.prediction import IterationModel, Lengths, workload_sample
+from dynaresize.prediction import IterationModel, LengthForecast, Lengths, uncensor, workload_sample
 from dynaresize.shapes import batch_shape
 
 WORLD = 16
@@ -271,6 +271,31 @@ def test_a_forecast_is_the_same_batches_until_new_ones_are_seen(growth):
     assert np.array_equal(model.rollout_times(fresh, 8), times) and model.train(fresh, 6) == model.train(first[0], 6)
     f.observe(10, batches[0])                     # batch 10 generated: forecast as it was seen
     assert f.forecast(10)[0] == [batches[0]]
+
+
+def test_responses_cut_at_a_cap_continue_past_its_rise():
+    # deepscaler's schedule: responses cut at 8K say only that they would be longer. Past the rise
+    # to 16K the forecast gives them the tail a log-normal fitted to the batch puts beyond 8K,
+    # close to the true one; before it (and without a rise) the batch is forecast as seen.
+    rng = np.random.default_rng(0)
+    mu, sigma, cut = np.log(4500), 0.78, 8192
+    true = np.round(rng.lognormal(mu, sigma, (PROMPTS, SPP))).astype(np.int64)
+    seen = np.minimum(true, cut)
+    assert 0.15 < (seen == cut).mean() < 0.3
+    continued = uncensor(seen, cut)
+    beyond = true >= cut
+    assert np.array_equal(continued[~beyond], seen[~beyond]) and (continued[beyond] >= cut).all()
+    assert np.mean(continued[beyond]) == pytest.approx(np.mean(true[beyond]), rel=0.15)
+    assert np.quantile(continued, 0.95) == pytest.approx(np.quantile(true, 0.95), rel=0.15)
+    assert np.array_equal(uncensor(np.minimum(true, 100).ravel(), 100), np.minimum(true, 100).ravel())  # all cut
+
+    cfg = job({"length_max": cut, "length_max_schedule": [[0, cut], [11, 2 * cut]]})
+    forecast = LengthForecast(cfg.workload, 3, PROMPTS, SPP)
+    forecast.observe(9, Lengths(np.full(PROMPTS, 200, dtype=np.int64), seen, PROMPTS))
+    (before,), _ = forecast.forecast(10)
+    assert np.array_equal(before.response_lens, seen)
+    (after,), _ = forecast.forecast(11)
+    assert np.array_equal(after.response_lens, np.minimum(continued, 2 * cut))
 
 
 def test_scripted_and_static():
