@@ -287,7 +287,8 @@ def test_responses_cut_at_a_cap_continue_past_its_rise():
     assert np.array_equal(continued[~beyond], seen[~beyond]) and (continued[beyond] >= cut).all()
     assert np.mean(continued[beyond]) == pytest.approx(np.mean(true[beyond]), rel=0.15)
     assert np.quantile(continued, 0.95) == pytest.approx(np.quantile(true, 0.95), rel=0.15)
-    assert np.array_equal(uncensor(np.minimum(true, 100).ravel(), 100), np.minimum(true, 100).ravel())  # all cut
+    mostly_cut = np.minimum(true, 100)                 # half or more cut: too little left to fit
+    assert np.array_equal(uncensor(mostly_cut, 100), mostly_cut)
 
     cfg = job({"length_max": cut, "length_max_schedule": [[0, cut], [11, 2 * cut]]})
     forecast = LengthForecast(cfg.workload, 3, PROMPTS, SPP)
