@@ -36,14 +36,38 @@ class ControlPlane:
         self.clock_offset = 0.0
         self.t0 = 0.0
 
+    # --- waiting -----------------------------------------------------------------------------
+    # Open MPI's blocking calls poll at full speed. A rank that waits for the others (a rollout
+    # rank done before the train step, ranks waiting for rank 0's start-up) would take a core
+    # from the ranks still working wherever ranks share cores: a CPU run starts more ranks than
+    # there are cores. So every wait below is a test of a request with a sleep between tests,
+    # growing to WAIT_POLL_MAX_S: at most that much latency on a control plane whose messages
+    # come once or a few times an iteration.
+    WAIT_POLL_MAX_S = 1e-3
+
+    def _wait_until(self, done) -> None:
+        pause = 2e-5
+        while not done():
+            time.sleep(pause)
+            pause = min(2 * pause, self.WAIT_POLL_MAX_S)
+
+    def _all_arrived(self) -> None:
+        """Return once every rank has reached this point (a barrier that does not spin)."""
+        self._wait_until(self.comm.Ibarrier().Test)
+
     # --- collectives on Python objects -----------------------------------------------------
+    # Each waits for every rank to arrive first (the politely waiting barrier above); the
+    # collective itself then completes at once.
     def bcast(self, obj, root: int = 0):
+        self._all_arrived()
         return self.comm.bcast(obj, root=root)
 
     def allgather(self, obj) -> list:
+        self._all_arrived()
         return self.comm.allgather(obj)
 
     def gather(self, obj, root: int = 0):
+        self._all_arrived()
         return self.comm.gather(obj, root=root)
 
     # --- point to point on Python objects (tail migration) ---------------------------------
@@ -55,8 +79,8 @@ class ControlPlane:
     def receive(self, tag: int) -> tuple[object, int]:
         """The next object sent to this rank with `tag`, from whichever rank sent first, and that rank."""
         status = self.MPI.Status()
-        obj = self.comm.recv(source=self.MPI.ANY_SOURCE, tag=tag, status=status)
-        return obj, status.Get_source()
+        self._wait_until(lambda: self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=tag, status=status))
+        return self.comm.recv(source=status.Get_source(), tag=tag), status.Get_source()
 
     def poll(self, tag: int) -> tuple[object, int] | None:
         """Like receive, if an object with `tag` has arrived; None at once otherwise."""
@@ -66,7 +90,7 @@ class ControlPlane:
         return self.comm.recv(source=status.Get_source(), tag=tag), status.Get_source()
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._all_arrived()
 
     def abort(self, code: int = 1) -> None:
         """End every rank of the job (a rank blocked in a collective would otherwise hang)."""

@@ -583,5 +583,5 @@ def batch_lengths(samples: list[Sample], rollout) -> Lengths:
 
 def threads_per_rank(ctrl: ControlPlane) -> int:
     """Intra-op threads so the ranks on a node share its cores (at least one each)."""
-    on_node = sum(1 for h in ctrl.comm.allgather(os.uname().nodename) if h == os.uname().nodename)
+    on_node = sum(1 for h in ctrl.allgather(os.uname().nodename) if h == os.uname().nodename)
     return max(1, (os.cpu_count() or 1) // on_node)

@@ -122,6 +122,11 @@ def test_weight_sync_is_bit_exact_and_creates_no_group(tmp_path):
     assert result["rollout_ranks_checked"] == 3 and result["groups_created_after_startup"] == 0
 
 
+def test_ranks_waiting_on_the_control_plane_leave_the_cores_to_the_others(tmp_path):
+    result = scenario_result(run_ranks(3, "waiting", tmp_path))
+    assert set(result["most_cpu_s_while_waiting"]) == {"bcast", "allgather", "gather", "barrier", "receive"}
+
+
 BAD_CONFIGS = [
     (["cluster.ranks=1"], "cluster.ranks"),
     (["policy.train_ranks=4"], "policy.train_ranks"),

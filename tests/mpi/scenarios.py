@@ -146,7 +146,37 @@ def split_training(ctrl: ControlPlane, out_dir: str) -> dict:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training)}
+def waiting(ctrl: ControlPlane, out_dir: str) -> dict:
+    """Ranks that wait for rank 0 in each control-plane call (it sleeps first) get the right
+    values and spend little CPU: they sleep between tests of the call, where Open MPI's blocking
+    call polls at full speed (a whole core for the wait, measured)."""
+    import time
+    late_s, cpu = 1.0, {}
+    calls = {"bcast": lambda: ctrl.bcast(ctrl.rank if ctrl.rank == 0 else None) == 0,
+             "allgather": lambda: ctrl.allgather(ctrl.rank) == list(range(ctrl.size)),
+             "gather": lambda: ctrl.gather(ctrl.rank) in (None, list(range(ctrl.size))),
+             "barrier": lambda: ctrl.barrier() is None,
+             "receive": lambda: ctrl.receive(tag=5) == ("late", 0)}
+    for name, call in calls.items():
+        if ctrl.rank == 0:
+            time.sleep(late_s)
+            if name == "receive":
+                requests = [ctrl.post("late", dest, tag=5) for dest in range(1, ctrl.size)]
+                for request in requests:
+                    request.wait()
+                continue
+        start = time.process_time()
+        assert call(), (name, ctrl.rank)
+        cpu[name] = time.process_time() - start
+    spent = ctrl.gather(cpu)
+    if ctrl.rank == 0:
+        worst = {name: max(c[name] for c in spent[1:]) for name in calls}
+        assert all(s < 0.25 * late_s for s in worst.values()), f"CPU seconds spent waiting {late_s} s: {worst}"
+        return {"late_s": late_s, "most_cpu_s_while_waiting": worst}
+    return {}
+
+
+SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training, waiting)}
 
 
 def run_scenario(scenarios: dict) -> None:
