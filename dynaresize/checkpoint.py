@@ -23,7 +23,6 @@ import shutil
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from .config import ConfigError, JobConfig, to_yaml
 from .policy import Decision
@@ -176,6 +175,7 @@ def load_flat_params(resume: ResumeState, numel: int) -> torch.Tensor:
         data, _ = read_range(shard_path(resume.path, table.version, q), table.version, lo, hi, resume.run_id,
                              holds=(lo, hi))
         parts.append(data["params"])
+    import torch        # here, not at the top: the launcher imports this module and needs no torch
     return torch.from_numpy(np.concatenate(parts))
 
 

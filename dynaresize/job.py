@@ -26,7 +26,7 @@ from .comm import ControlPlane
 from .config import JobConfig, to_yaml
 from .flat import FlatLayout
 from .groups import GroupRegistry
-from .model import eos_token_ids, load_model, model_skeleton, prepare_checkpoint, save_model
+from .model import eos_token_ids, import_model_code, load_model, model_skeleton, prepare_checkpoint, save_model
 from .costmodel import CostModel
 from .hardware import job_profile
 from .policy import POLICIES, Decision, IterationStats, make_policy, resolve_migration
@@ -147,6 +147,7 @@ class Job:
     # --- start-up ----------------------------------------------------------------------------
     def _shared_model_dir(self) -> str:
         """Rank 0 writes the initial model (or names the configured one); all ranks load it."""
+        import_model_code()       # on every rank now, beside rank 0 writing the model, not after it
         path = None
         if self.rank == 0:
             path = prepare_checkpoint(self.cfg.model, os.path.join(self.run_dir, "initial_model"))

@@ -24,6 +24,13 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def import_model_code() -> None:
+    """Import transformers' model classes: seconds of CPU a rank spends once, wherever it first
+    needs them. The job does it on every rank at once, while rank 0 writes the initial model."""
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+
 def build_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -28,7 +28,6 @@ from typing import Callable
 
 import h5py
 import numpy as np
-import torch
 
 from .types import ShardState
 
@@ -131,7 +130,7 @@ def _write(tmp: str, shard: ShardState, version: int, buffer_mb: int, run_id: st
             ds = f.create_dataset(name, shape=(n,), dtype="<f4", chunks=(chunk,) if n else None)
             crcs = np.zeros(-(-n // chunk), dtype="<u4")
             for i, lo in enumerate(range(0, n, chunk)):
-                block = src[lo:lo + chunk].to("cpu", torch.float32).numpy()
+                block = src[lo:lo + chunk].cpu().float().numpy()
                 if len(block) < chunk:
                     block = np.concatenate([block, np.zeros(chunk - len(block), np.float32)])
                 crcs[i] = zlib.crc32(memoryview(block))
@@ -258,5 +257,6 @@ def read_shard(directory: str, version: int, old_owners: int, numel: int, lo: in
         raise StagingError(f"the staged files of table version {version} in {directory} disagree on the AdamW step "
                            f"({sorted(steps)}): refusing to load them")
     step = steps.pop() if steps else 0
+    import torch        # here, not at the top: the launcher reads checkpoints through this module, without torch
     tensors = {name: torch.from_numpy(out[name]) for name in STATE_FIELDS}
     return ShardState(lo, hi, tensors["params"], tensors["exp_avg"], tensors["exp_avg_sq"], step)

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-import torch
-
 from .roles import RoleTable
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:      # torch only in annotations: the launcher imports this module without it
+    import torch
+
     from .rollout.base import RolloutEngine
     from .trainer import ShardedTrainer
 

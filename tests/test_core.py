@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import h5py
 import numpy as np
 import pytest
 
-from conftest import run_cli, run_ranks
+from conftest import ROOT, run_cli, run_ranks
 
 
 def scenario_result(proc) -> dict:
@@ -125,6 +127,15 @@ def test_weight_sync_is_bit_exact_and_creates_no_group(tmp_path):
 def test_ranks_waiting_on_the_control_plane_leave_the_cores_to_the_others(tmp_path):
     result = scenario_result(run_ranks(3, "waiting", tmp_path))
     assert set(result["most_cpu_s_while_waiting"]) == {"bcast", "allgather", "gather", "barrier", "receive"}
+
+
+def test_the_launcher_does_not_import_torch():
+    """The launcher (config, validation, resume checks, local and Slurm launch) runs before the
+    ranks start, on the critical path of every job: importing torch there costs seconds of CPU."""
+    code = ("import sys, dynaresize.cli, dynaresize.launch.local, dynaresize.launch.slurm, dynaresize.checkpoint, "
+            "dynaresize.validate; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
 BAD_CONFIGS = [
