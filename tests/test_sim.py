@@ -318,6 +318,21 @@ def test_1024_ranks_50_iterations(tmp_path):
     print(f"1024 ranks x 50 iterations: {wall:.2f} s, {len(data['events'])} events")
 
 
+def test_suite_runs_report_progress_and_keep_their_order():
+    """A suite cell's runs come back in the order asked whatever order they finish in, with a
+    progress line between them (every_s=0: after each but the last)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dynaresize.sim.suite import run_all
+    lines = []
+    with ThreadPoolExecutor(3) as pool:
+        results = run_all(pool, lambda delay: time.sleep(delay) or delay, {"slow": 0.3, "mid": 0.15, "fast": 0.0},
+                          "h100 16 ranks dapo", lines.append, every_s=0)
+    assert list(results) == ["slow", "mid", "fast"] and results == {"slow": 0.3, "mid": 0.15, "fast": 0.0}
+    assert [line.split(": ")[1].split(" (")[0] for line in lines] == ["1/3 runs done", "2/3 runs done"]
+    assert lines[0].startswith("[suite] h100 16 ranks dapo: 1/3 runs done (fast last)")
+
+
 def test_suite_writes_the_table_for_each_workload(tmp_path):
     """`dynaresize-sim suite` at a small size: every row for every workload, the hindsight-best static
     split as the reference, the oracle at least as fast as every static split (free switching,

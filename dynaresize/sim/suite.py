@@ -37,12 +37,13 @@ import os
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 WORKLOADS = ("stationary", "growth", "dapo", "deepscaler", "r1zero", "mixture_blocks", "mixture_alternating")
 ROWS = ("static, hindsight-best", "static, pilot", "colocated", "dynamic", "dynamic + stealing",
         "oracle, expected lengths", "oracle", "bound")
 PILOT_ITERATIONS = 5
+PROGRESS_EVERY_S = 60.0     # a cell's progress line at most this often (a 256-rank cell can take an hour)
 
 
 # --- the runs ----------------------------------------------------------------------------------
@@ -231,6 +232,22 @@ def compose_base(workload: str, hardware: str, ranks: int, overrides: list[str])
     return data
 
 
+def run_all(pool, fn, jobs: dict[str, object], label: str, log, every_s: float = PROGRESS_EVERY_S) -> dict:
+    """fn(job) for every job on the pool; the results in the jobs' order, and a progress line at most
+    every `every_s` seconds while some are left."""
+    started = last = time.perf_counter()
+    futures = {pool.submit(fn, job): name for name, job in jobs.items()}
+    results = {}
+    for future in as_completed(futures):
+        results[futures[future]] = future.result()
+        now = time.perf_counter()
+        if now - last >= every_s and len(results) < len(jobs):
+            log(f"[suite] {label}: {len(results)}/{len(jobs)} runs done ({futures[future]} last), "
+                f"{now - started:.0f} s")
+            last = now
+    return {name: results[name] for name in jobs}
+
+
 def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[str], overrides: list[str],
               jobs: int = 2, keep: str = "table", log=None) -> "object":
     """Run the suite; returns the summary DataFrame (one row per hardware x ranks x workload)."""
@@ -251,8 +268,8 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                     wdir = os.path.join(folder, w)
                     # the dynamic runs first: they take longest (a decision prices many splits)
                     names = sorted(specs, key=lambda name: not name.startswith("dynamic"))
-                    jobs_ = [(specs[name], os.path.join(wdir, "runs", name)) for name in names]
-                    metrics = dict(zip(names, pool.map(_simulate, jobs_)))
+                    jobs_ = {name: (specs[name], os.path.join(wdir, "runs", name)) for name in names}
+                    metrics = run_all(pool, _simulate, jobs_, f"{hw} {n} ranks {w}", log)
                     df = workload_table(metrics, bound(base))
                     drop = set(specs) if keep == "none" else set() if keep == "all" else set(specs) - set(df["run"])
                     for name in drop:
