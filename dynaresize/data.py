@@ -27,7 +27,6 @@ from .shapes import generated_prompts, keyed_rng, max_response_cap, response_cap
 from .workload import Prompt
 
 _ORDER_STREAM = 0x64617461        # "data": the permutation of each epoch
-SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def read_file(path: str) -> list[dict]:

@@ -52,9 +52,6 @@ class Op:
             return {**self.price, "restore": self.restored[self.ranks.index(rank)]}
         return self.price
 
-    def bytes_for(self, rank: int) -> int:
-        return self.nbytes[self.ranks.index(rank)] if self.nbytes else 0
-
 
 @dataclass(frozen=True)
 class SwitchPlan:

@@ -192,7 +192,6 @@ class Simulator:
         except BaseException:
             writer.close(complete=False)
             raise
-        self.wall_s = time.perf_counter() - wall0
         return path
 
     def flush(self, writer: TimelineWriter) -> None:
