@@ -333,6 +333,24 @@ def test_suite_runs_report_progress_and_keep_their_order():
     assert lines[0].startswith("[suite] h100 16 ranks dapo: 1/3 runs done (fast last)")
 
 
+def test_a_stopped_suite_keeps_the_summary_of_its_finished_cells(tmp_path):
+    """summary.csv is written after every cell: a suite stopped in its second cell (here by its log
+    raising at that cell's line, which comes before the cell's summary row) keeps the first."""
+    import pandas as pd
+
+    from dynaresize.sim.suite import run_suite
+
+    def log(line):
+        if "dapo" in line:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        run_suite(str(tmp_path), [16], ["h100"], ["stationary", "dapo"],
+                  ["run.iterations=4", "sim.units=4", "sim.prompts_per_rank=2"], jobs=1, keep="none", log=log)
+    summary = pd.read_csv(tmp_path / "summary.csv")
+    assert list(summary["workload"]) == ["stationary"] and summary["dynamic"].iloc[0] > 0
+    assert "stationary" in (tmp_path / "summary.md").read_text()
+
+
 def test_suite_writes_the_table_for_each_workload(tmp_path):
     """`dynaresize-sim suite` at a small size: every row for every workload, the hindsight-best static
     split as the reference, the oracle at least as fast as every static split (free switching,

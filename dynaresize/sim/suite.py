@@ -289,8 +289,16 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                         f"{time.perf_counter() - started:.0f} s in all)")
                     summary.append({"hardware": hw, "ranks": n, "workload": w,
                                     **{row: float(r[row]) for row in ROWS}, **acceptance(r, metrics["dynamic"])})
+                    result = write_summary(out, summary)   # after every cell: a stopped suite keeps its cells
                 both = pd.concat(tables)
                 both.to_csv(os.path.join(folder, "tables.csv"), index=False)
+    log(f"[suite] done in {time.perf_counter() - started:.0f} s: {out}/summary.md, per workload table.md/.csv/.png")
+    return result
+
+
+def write_summary(out: str, summary: list[dict]) -> "object":
+    """summary.csv and summary.md of the cells done so far; returns their DataFrame."""
+    import pandas as pd
     df = pd.DataFrame(summary)
     df.to_csv(os.path.join(out, "summary.csv"), index=False)
     with open(os.path.join(out, "summary.md"), "w") as f:
@@ -301,7 +309,6 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                 "this machine (decide_s: the median in seconds; decide_share: their total / the run's simulated "
                 "time).\n\n")
         f.write(markdown(df) + "\n")
-    log(f"[suite] done in {time.perf_counter() - started:.0f} s: {out}/summary.md, per workload table.md/.csv/.png")
     return df
 
 
