@@ -320,15 +320,28 @@ def test_1024_ranks_50_iterations(tmp_path):
 
 def test_suite_runs_report_progress_and_keep_their_order():
     """A suite cell's runs come back in the order asked whatever order they finish in, with a
-    progress line between them (every_s=0: after each but the last)."""
+    progress line between them (every_s=0: after each but the last). The runs finish in the reverse
+    order: each progress line lets the next one end."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from dynaresize.sim.suite import run_all
+    finish_order = ["fast", "mid", "slow"]
+    gates = {name: threading.Event() for name in finish_order}
     lines = []
+
+    def log(line):
+        lines.append(line)
+        gates[finish_order[len(lines)]].set()
+
+    def run(name):
+        assert gates[name].wait(30)
+        return name.upper()
+    gates["fast"].set()
     with ThreadPoolExecutor(3) as pool:
-        results = run_all(pool, lambda delay: time.sleep(delay) or delay, {"slow": 0.3, "mid": 0.15, "fast": 0.0},
-                          "h100 16 ranks dapo", lines.append, every_s=0)
-    assert list(results) == ["slow", "mid", "fast"] and results == {"slow": 0.3, "mid": 0.15, "fast": 0.0}
+        results = run_all(pool, run, {"slow": "slow", "mid": "mid", "fast": "fast"}, "h100 16 ranks dapo", log,
+                          every_s=0)
+    assert list(results) == ["slow", "mid", "fast"] and results == {"slow": "SLOW", "mid": "MID", "fast": "FAST"}
     assert [line.split(": ")[1].split(" (")[0] for line in lines] == ["1/3 runs done", "2/3 runs done"]
     assert lines[0].startswith("[suite] h100 16 ranks dapo: 1/3 runs done (fast last)")
 
