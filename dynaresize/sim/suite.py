@@ -37,13 +37,13 @@ import os
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 WORKLOADS = ("stationary", "growth", "dapo", "deepscaler", "r1zero", "mixture_blocks", "mixture_alternating")
 ROWS = ("static, hindsight-best", "static, pilot", "colocated", "dynamic", "dynamic + stealing",
         "oracle, expected lengths", "oracle", "bound")
 PILOT_ITERATIONS = 5
-PROGRESS_EVERY_S = 60.0     # a cell's progress line at most this often (a 256-rank cell can take an hour)
+PROGRESS_EVERY_S = 60.0     # a cell's progress line this often (a 1,024-rank cell can take an hour)
 
 
 # --- the runs ----------------------------------------------------------------------------------
@@ -233,16 +233,21 @@ def compose_base(workload: str, hardware: str, ranks: int, overrides: list[str])
 
 
 def run_all(pool, fn, jobs: dict[str, object], label: str, log, every_s: float = PROGRESS_EVERY_S) -> dict:
-    """fn(job) for every job on the pool; the results in the jobs' order, and a progress line at most
-    every `every_s` seconds while some are left."""
+    """fn(job) for every job on the pool; the results in the jobs' order. Every `every_s` seconds
+    while some are left, a progress line: the runs done and those running, also while none ends
+    (a 1,024-rank dynamic run can take more than half an hour)."""
     started = last = time.perf_counter()
     futures = {pool.submit(fn, job): name for name, job in jobs.items()}
-    results = {}
-    for future in as_completed(futures):
-        results[futures[future]] = future.result()
+    results, pending = {}, set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=max(every_s - (time.perf_counter() - last), 0.0),
+                             return_when=FIRST_COMPLETED)
+        for future in done:
+            results[futures[future]] = future.result()
         now = time.perf_counter()
-        if now - last >= every_s and len(results) < len(jobs):
-            log(f"[suite] {label}: {len(results)}/{len(jobs)} runs done ({futures[future]} last), "
+        if pending and now - last >= every_s:
+            running = [futures[f] for f in futures if f in pending and f.running()]
+            log(f"[suite] {label}: {len(results)}/{len(jobs)} runs done, running {', '.join(running) or '-'}, "
                 f"{now - started:.0f} s")
             last = now
     return {name: results[name] for name in jobs}
