@@ -391,7 +391,8 @@ def run_metrics(tl: Timeline) -> dict:
     mean_response_len, p99_response_len, bubble_train, bubble_rollout, bubble_both,
     bubble_all, switch_ops, switch_total_s, switch_critical_s, switch_hidden_s, hidden_share,
     resizes, prediction_error_median (median |predicted / measured - 1| of the next iteration's
-    time, see predictions), decisions, outside_iterations_s, gpu_time.
+    time, see predictions), decisions, decide_s_median, decide_s_total, decide_share (their
+    total / total_time_s), outside_iterations_s, gpu_time.
     """
     its = iteration_metrics(tl)
     sp = spans(tl)
@@ -436,6 +437,7 @@ def run_metrics(tl: Timeline) -> dict:
 
     total = float(its["switch_total_s"].sum())
     critical = float(its["switch_critical_s"].sum())
+    decide_total = float(tl.attrs.get("decide_s_total", math.nan))
     out.update({
         "switch_ops": int(its["switch_ops"].sum()),
         "switch_total_s": total,
@@ -445,6 +447,11 @@ def run_metrics(tl: Timeline) -> dict:
         "resizes": int((tl.decisions["action"] == "move").sum()),
         "prediction_error_median": float(predictions(tl)["error"].abs().median()),
         "decisions": int(len(tl.decisions)),
+        # the policy's own time: rank 0 decides while every rank waits (this machine's seconds; a
+        # real run's time includes them, a simulated one leaves them out)
+        "decide_s_median": float(tl.attrs.get("decide_s_median", math.nan)),
+        "decide_s_total": decide_total,
+        "decide_share": decide_total / total_time if total_time > 0 else math.nan,
         "outside_iterations_s": (float((total_time - sp["span_s"].sum()) * len(tl.ranks))
                                  if n else math.nan),
         "gpu_time": gpu_time(tl),

@@ -80,8 +80,7 @@ def closing_summary(tl: Timeline, report: dict[str, Path] | None) -> str:
              f"bubbles: train {_pct(m['bubble_train'])}, rollout {_pct(m['bubble_rollout'])}"
              + (f", both {_pct(m['bubble_both'])}" if not pd.isna(m["bubble_both"]) else "")
              + f"; switch work {_num(m['switch_total_s'])} s, {_pct(m['hidden_share'])} of it hidden"
-             + ("" if pd.isna(m["prediction_error_median"]) else
-                f"; next-iteration prediction error, median {_pct(m['prediction_error_median'])}")]
+             + _policy_figures(m)]
     folder = Path(tl.path).parent
     if report:
         lines.append(f"report: {next(iter(report.values())).parent} ({', '.join(report)}); redraw it "
@@ -112,6 +111,16 @@ def plot_predictions(pred: pd.DataFrame, path, policy: str = "") -> None:
     plt.close(fig)
 
 
+def _policy_figures(m: dict) -> str:
+    """The policy's next-iteration prediction error and, for a dynamic policy, what its decisions
+    cost (rank 0 decides while every rank waits), as a tail of a summary line."""
+    out = "" if pd.isna(m["prediction_error_median"]) else \
+        f"; next-iteration prediction error, median {_pct(m['prediction_error_median'])}"
+    if m["kind"] == "dynamic" and not pd.isna(m["decide_s_total"]):
+        out += f"; decisions: median {_num(m['decide_s_median'], '{:.2g}')} s, {_pct(m['decide_share'])} of the run"
+    return out
+
+
 def _pct(x) -> str:
     return "-" if x is None or pd.isna(x) else f"{100 * x:.1f}%"
 
@@ -139,9 +148,7 @@ def summary_text(tl: Timeline, max_rows: int = 20) -> str:
         + f", all {_pct(m['bubble_all'])}",
         f"switches  {m['resizes']} resizes, {m['switch_ops']} switch ops, work "
         f"{_num(m['switch_total_s'])} s, critical {_num(m['switch_critical_s'])} s, hidden share "
-        f"{_pct(m['hidden_share'])}"
-        + ("" if pd.isna(m["prediction_error_median"]) else
-           f"; next-iteration prediction error, median {_pct(m['prediction_error_median'])}"),
+        f"{_pct(m['hidden_share'])}" + _policy_figures(m),
         "",
         "GPU time [GPU s]   total      busy      idle  switching",
     ]

@@ -57,6 +57,24 @@ def test_default_run_shows_the_dynamic_policy_at_work(default_run):
     assert (run_dir / "report" / "gantt.png").exists() and (run_dir / "report" / "prediction.png").exists()
 
 
+def test_the_summary_says_what_the_decisions_cost(default_run):
+    """Rank 0 decides while every rank waits: the closing summary gives the decisions' median and
+    their share of the run's wall time, from the timeline's attributes."""
+    import re
+
+    import analysis
+    run_dir, proc = default_run
+    m = analysis.run_metrics(analysis.load_timeline(run_dir))
+    with h5py.File(run_dir / "timeline.h5", "r") as f:
+        median, total = float(f.attrs["decide_s_median"]), float(f.attrs["decide_s_total"])
+    assert m["decide_s_median"] == median and m["decide_share"] == pytest.approx(total / m["total_time_s"])
+    assert 0 < m["decide_share"] < 1
+    printed = re.search(r"decisions: median (\S+) s, ([\d.]+)% of the run", proc.stdout)
+    assert printed, proc.stdout
+    assert float(printed.group(1)) == float(f"{median:.2g}")
+    assert abs(float(printed.group(2)) - 100 * m["decide_share"]) <= 0.05 + 1e-9
+
+
 def test_printed_bubble_is_the_reports(default_run):
     """The progress line's bubble is the analysis' (busy = the union of each rank's busy events,
     so a background switch op that overlaps a stage is not counted twice)."""

@@ -89,8 +89,6 @@ def _simulate(job: tuple[dict, str]) -> dict:
     metrics = analysis.run_metrics(tl)
     metrics["pilot_tokens_per_s"] = float(first["tokens"].sum() / first["span_s"].sum())
     metrics["turns"] = direction_changes(its["train_ranks"].tolist())
-    for key in ("decide_s_median", "decide_s_total"):     # the policy's own time, on this machine
-        metrics[key] = float(tl.attrs.get(key, math.nan))
     return metrics
 
 
@@ -112,7 +110,7 @@ def acceptance(r, dynamic: dict) -> dict:
             "captured": (r["dynamic"] / r["static, pilot"] - 1) / gain if gain > 1e-9 else math.nan,
             "resizes": dynamic["resizes"], "turns": dynamic["turns"],
             "decide_s": dynamic["decide_s_median"],
-            "decide_share": dynamic["decide_s_total"] / dynamic["total_time_s"]}
+            "decide_share": dynamic["decide_share"]}
 
 
 def bound(spec: dict) -> dict:
