@@ -154,6 +154,7 @@ class PolicyConfig:
     horizon: int = 8               # iterations a plan looks ahead (a move must pay back within them)
     dead_band: float = 0.01        # a plan must save more than this share of the horizon's time to move
     smoothing: float = 0.5         # EMA weight of the newest measurement (stage and switch corrections)
+    pricing_workers: int = 0       # processes pricing a decision's candidate rollouts (0: the deciding rank alone)
     # scripted: train ranks of iteration 0, 1, 2, ... (the last entry holds afterwards)
     schedule: list[int] = field(default_factory=list)
 

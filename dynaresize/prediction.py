@@ -100,6 +100,7 @@ class IterationModel:
         # what was priced on each batch, by (quantity, split), while the batch lives: a forecast
         # replays the same recent batches decision after decision, at the same candidate splits
         self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.pool = None      # a pricing.PricingPool: `expected` prices a forecast's batches on it at once
 
     @classmethod
     def for_job(cls, job, cm: CostModel, migration: tuple[int, int] | None = None) -> "IterationModel":
@@ -123,16 +124,31 @@ class IterationModel:
         """Each rollout rank's time on the split of k train ranks, until it is done with its
         rollout (read-only: kept for the batch). With tail migration: its cut, or a tail rank's
         end (migration.tail_schedule)."""
-        def price() -> np.ndarray:
-            R = self.world - k
-            if self.migration is not None and R >= 2:
-                times = tail_schedule(self.cm, *self.rollout_cuts(batch, k), self.migration[1])[0]
-            else:
-                times = self.cm.rollout_times(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
-                                              batch.response_lens, R)
-            times.flags.writeable = False
-            return times
-        return self._memo(batch, ("rollout", k), price)
+        return self._memo(batch, ("rollout", k), lambda: self._read_only(self.price_rollout(batch, k)))
+
+    def price_rollout(self, batch: Lengths, k: int) -> np.ndarray:
+        """rollout_times, computed (not kept): what a pricing worker runs (dynaresize.pricing)."""
+        R = self.world - k
+        if self.migration is not None and R >= 2:
+            return tail_schedule(self.cm, *self.rollout_cuts(batch, k), self.migration[1])[0]
+        return self.cm.rollout_times(place_prompts(batch.prompt_lens, R), batch.prompt_lens, batch.response_lens, R)
+
+    @staticmethod
+    def _read_only(times: np.ndarray) -> np.ndarray:
+        times.flags.writeable = False
+        return times
+
+    def price_rollouts(self, batches: list[Lengths], k: int) -> None:
+        """Keep the rollout times of `batches` at the split of k train ranks, those not kept yet
+        priced together on the pricing pool's workers (`pool`, dynaresize.pricing; without one,
+        they are priced one by one where they are needed)."""
+        if self.pool is None:
+            return
+        todo = [b for b in dict.fromkeys(batches) if ("rollout", k) not in self._priced.get(b, {})]
+        if len(todo) < 2:
+            return
+        for batch, times in zip(todo, self.pool.rollout_times([(b, k) for b in todo])):
+            self._memo(batch, ("rollout", k), lambda times=times: self._read_only(times))
 
     def rollout_cuts(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Tail migration on the split of k train ranks: each rollout rank's cut and the sequences
@@ -226,6 +242,8 @@ class IterationModel:
                  rollout_scale: float = 1.0, train_scale: float = 1.0) -> Prediction:
         """`iteration` averaged over equally likely batches (a forecast's ensemble)."""
         gens, trns = generate or [None], train or [None]
+        if generate:
+            self.price_rollouts(generate, k)
         n = max(len(gens), len(trns))
         return Prediction.mean([self.iteration(gens[i % len(gens)], trns[i % len(trns)], k, rollout_scale,
                                                train_scale) for i in range(n)])

@@ -245,6 +245,8 @@ def validate(cfg: JobConfig) -> None:
     need(0 < p.smoothing <= 1, "policy.smoothing", f"is {p.smoothing}", "use a value in (0, 1]")
     need(p.dead_band >= 0, "policy.dead_band", f"is {p.dead_band}", "use a share >= 0, e.g. 0.01")
     need(p.horizon >= 1, "policy.horizon", f"is {p.horizon}", "look ahead at least 1 iteration, e.g. 8")
+    need(isinstance(p.pricing_workers, int) and p.pricing_workers >= 0, "policy.pricing_workers",
+         f"is {p.pricing_workers!r}", "use 0 (price in the deciding rank) or a number of processes, e.g. 7")
 
     need(s.transport in ("auto", "file", "network"), "staging.transport", f"unknown {s.transport!r}",
          "use auto, file or network")

@@ -117,10 +117,14 @@ def test_lag0_resizes_without_reuse_over_network_transport_and_colocated(static_
 
 
 def test_dynamic_policy_moves_and_records_its_reasons(tmp_path):
-    # One rollout rank against three trainers with long responses: clearly rollout-bound.
+    # One rollout rank against three trainers with long responses: clearly rollout-bound. Rank 0
+    # prices its decisions on a worker process (spawned beside an MPI rank; the decisions are the
+    # same as without it: test_policy.py).
     run = tmp_path / "dynamic"
-    proc = run_cli(run, "policy=dynamic", "policy.train_ranks=3", "workload.length_median=40", "run.iterations=8")
-    data, _ = timeline(run)
+    proc = run_cli(run, "policy=dynamic", "policy.train_ranks=3", "workload.length_median=40", "run.iterations=8",
+                   "policy.pricing_workers=1")
+    data, attrs = timeline(run)
+    assert attrs["decide_pricing_workers"] == 1 and attrs["decide_priced_by_workers"] > 0, dict(attrs)
     decisions = data["decisions"]
     moves = decisions[decisions["action"] == b"move"]
     assert len(moves) >= 1, decisions

@@ -72,6 +72,7 @@ CASES = {
     "schedule_too_long": (["policy=scripted", "policy.schedule=[1,2,3,1,2]", "run.iterations=3"],
                           "policy.schedule", ["run.iterations + run.max_lag"]),
     "schedule_not_scripted": (["policy=static", "policy.schedule=[1,2]"], "policy.schedule", ["scripted"]),
+    "pricing_workers_negative": (["policy.pricing_workers=-1"], "policy.pricing_workers", ["number of processes"]),
     "simulator_only_policy": (["policy.name=oracle"], "policy.name",
                               ["simulator-only", "policy=static, colocated, scripted, dynamic", "dynaresize-sim"]),
     "unknown_engine": (["rollout.engine=nope"], "rollout.engine", ["use one of torch, vllm"]),
