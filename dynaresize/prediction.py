@@ -138,16 +138,16 @@ class IterationModel:
         times.flags.writeable = False
         return times
 
-    def price_rollouts(self, batches: list[Lengths], k: int) -> None:
-        """Keep the rollout times of `batches` at the split of k train ranks, those not kept yet
-        priced together on the pricing pool's workers (`pool`, dynaresize.pricing; without one,
-        they are priced one by one where they are needed)."""
+    def price_rollouts(self, pairs: list[tuple[Lengths, int]]) -> None:
+        """Keep the rollout times of the (batch, train ranks) `pairs`, those not kept yet priced
+        together on the pricing pool's workers (`pool`, dynaresize.pricing; without one, each is
+        priced where it is needed)."""
         if self.pool is None:
             return
-        todo = [b for b in dict.fromkeys(batches) if ("rollout", k) not in self._priced.get(b, {})]
+        todo = list(dict.fromkeys((b, k) for b, k in pairs if ("rollout", k) not in self._priced.get(b, {})))
         if len(todo) < 2:
             return
-        for batch, times in zip(todo, self.pool.rollout_times([(b, k) for b in todo])):
+        for (batch, k), times in zip(todo, self.pool.rollout_times(todo)):
             self._memo(batch, ("rollout", k), lambda times=times: self._read_only(times))
 
     def rollout_cuts(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -243,7 +243,7 @@ class IterationModel:
         """`iteration` averaged over equally likely batches (a forecast's ensemble)."""
         gens, trns = generate or [None], train or [None]
         if generate:
-            self.price_rollouts(generate, k)
+            self.price_rollouts([(g, k) for g in generate])
         n = max(len(gens), len(trns))
         return Prediction.mean([self.iteration(gens[i % len(gens)], trns[i % len(trns)], k, rollout_scale,
                                                train_scale) for i in range(n)])

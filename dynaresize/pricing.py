@@ -48,8 +48,9 @@ class PricingPool:
     def rollout_times(self, jobs: list) -> list[np.ndarray]:
         """The rollout ranks' times of each (batch, train ranks) of `jobs`, priced in parallel."""
         self.priced += len(jobs)
-        futures = [self._pool.submit(_price, batch.prompt_lens, batch.response_lens, k) for batch, k in jobs]
-        return [f.result() for f in futures]
+        chunk = max(len(jobs) // (4 * self.workers), 1)      # fewer messages, the load still spread
+        return list(self._pool.map(_price, *zip(*((b.prompt_lens, b.response_lens, k) for b, k in jobs)),
+                                   chunksize=chunk))
 
 
 __all__ = ["PricingPool"]
