@@ -100,7 +100,7 @@ class IterationModel:
         # what was priced on each batch, by (quantity, split), while the batch lives: a forecast
         # replays the same recent batches decision after decision, at the same candidate splits
         self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.pool = None      # a pricing.PricingPool: `expected` prices a forecast's batches on it at once
+        self.pool = None      # a pricing.PricingPool, if rollouts are priced on workers (price_rollouts)
 
     @classmethod
     def for_job(cls, job, cm: CostModel, migration: tuple[int, int] | None = None) -> "IterationModel":
