@@ -334,7 +334,7 @@ class DynamicPolicy(Policy):
         searched = steps_to_search([gkey for (_, gkey), _ in steps])
         cands = sorted({cur, anchor} | {self.model.best_split(lambda k, h=h: predict(h, k)) for h in searched})
         # every rollout the program below prices, at once (on the pricing workers, if any)
-        self.model.price_rollouts([(g, k) for (gen, _), _ in steps for g in gen or () for k in cands])
+        self.model.price_rollouts((g, k) for (gen, _), _ in steps for g in gen or () for k in cands)
         # Dynamic program over the horizon. A state is (split, engines_from): a move into rollout
         # below engines_from starts engines cold, once; later returns wake parked ones.
         start = (cur, self.engines_from)

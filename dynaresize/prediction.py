@@ -25,7 +25,7 @@ import statistics
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -138,7 +138,7 @@ class IterationModel:
         times.flags.writeable = False
         return times
 
-    def price_rollouts(self, pairs: list[tuple[Lengths, int]]) -> None:
+    def price_rollouts(self, pairs: Iterable[tuple[Lengths, int]]) -> None:
         """Keep the rollout times of the (batch, train ranks) `pairs`, those not kept yet priced
         together on the pricing pool's workers (`pool`, dynaresize.pricing; without one, each is
         priced where it is needed)."""
@@ -243,7 +243,7 @@ class IterationModel:
         """`iteration` averaged over equally likely batches (a forecast's ensemble)."""
         gens, trns = generate or [None], train or [None]
         if generate:
-            self.price_rollouts([(g, k) for g in generate])
+            self.price_rollouts((g, k) for g in generate)
         n = max(len(gens), len(trns))
         return Prediction.mean([self.iteration(gens[i % len(gens)], trns[i % len(trns)], k, rollout_scale,
                                                train_scale) for i in range(n)])
