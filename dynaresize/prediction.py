@@ -40,6 +40,7 @@ EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
 NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
 TREND_WINDOW = 10     # batches of a task whose mean lengths give its growth trend
 ENSEMBLE = 16         # recent batches of a task a forecast replays (their predictions are averaged)
+assert ENSEMBLE >= TREND_WINDOW     # the trend is read from the batches a forecast keeps
 _PRIOR_STREAM = 0x70726972    # "prir": the configured workload's sample batch (not a real batch)
 
 
@@ -324,8 +325,9 @@ class LengthForecast:
     docstring). Per task of a mixture (tasks rotate by a configured schedule), the forecast of a
     batch is an ensemble: the task's last ENSEMBLE generated batches, each grown by the task's
     trend over the batches between (a least-squares slope of log mean length over the last
-    TREND_WINDOW) and cut at the forecast batch's configured cap (responses cut at a lower cap of
-    their own batch continue past it: `uncensor`). A rollout's time is floored by
+    TREND_WINDOW, compared at the lowest cap among them) and cut at the forecast batch's
+    configured cap (responses cut at a lower cap of their own batch continue past it:
+    `uncensor`). A rollout's time is floored by
     its longest sequences, which differ from batch to batch: a prediction averaged over several
     batches estimates the expected time, where one batch would chase the noise of its tail. A task
     not seen yet is a sample of the configured workload (drawn with a seed of its own, not the
@@ -335,7 +337,7 @@ class LengthForecast:
         self.w, self.seed, self.ppb, self.spp = workload, seed, prompts_per_batch, samples_per_prompt
         self.generated: dict[int, Lengths] = {}          # recent generated batches, by index
         self.recent: dict[int, deque] = {}                # task -> (batch index, lengths), newest last
-        self.trend: dict[int, deque] = {}                 # task -> (batch index, log mean length)
+        self._growth: dict[int, float] = {}               # task -> growth(task), until it sees a batch
         # the same objects for the same forecast until its batch is generated (IterationModel keeps
         # prices per batch object): prior(b), and the member (growth, batch) of each (seen batch,
         # forecast batch), replaced when the growth changes
@@ -353,16 +355,28 @@ class LengthForecast:
         replayed = {b0 for d in self.recent.values() for b0, _ in d}
         for key in [key for key in self._members if key[1] <= b or key[0] not in replayed]:
             del self._members[key]
-        mean = float(batch.response_lens.mean()) if batch.response_lens.size else 0.0
-        if mean > 0:
-            self.trend.setdefault(task, deque(maxlen=TREND_WINDOW)).append((b, math.log(mean)))
+        self._growth.pop(task, None)
 
     def growth(self, task: int) -> float:
         """The task's log growth of mean length per batch: the least-squares slope over its last
         TREND_WINDOW batches (0 until three are seen), kept from four batches on only where it
         stands out of their noise (over two standard errors). A stationary task's slope is noise;
-        grown over the horizon it made the forecast, and the chosen split, wander."""
-        points = self.trend.get(task, ())
+        grown over the horizon it made the forecast, and the chosen split, wander.
+
+        The batches are compared on equal terms: each one's mean length with its responses clipped
+        at the lowest cap among them. Past a cap rise the new cap lets longer responses through,
+        which is not growth: counted as growth, the step in the mean made the slope 3-5 x the
+        trend for the next TREND_WINDOW batches."""
+        if task not in self._growth:
+            self._growth[task] = self._fit_growth(task)
+        return self._growth[task]
+
+    def _fit_growth(self, task: int) -> float:
+        seen = [(b0, x.response_lens) for b0, x in list(self.recent.get(task, ()))[-TREND_WINDOW:]
+                if x.response_lens.size]
+        cap = min((response_cap(self.w, b0) for b0, _ in seen), default=0)
+        points = [(b0, float((lens if lens.max() <= cap else np.minimum(lens, cap)).mean())) for b0, lens in seen]
+        points = [(b0, math.log(mean)) for b0, mean in points if mean > 0]
         if len(points) < 3:
             return 0.0
         x, y = np.array(points).T
@@ -421,14 +435,13 @@ class LengthForecast:
     def state(self) -> dict:
         """What was observed, as plain data (JSON): lists of [batch or task, ...] pairs."""
         return {"generated": [[b, x.to_data()] for b, x in self.generated.items()],
-                "recent": [[t, [[b, x.to_data()] for b, x in d]] for t, d in self.recent.items()],
-                "trend": [[t, [list(p) for p in d]] for t, d in self.trend.items()]}
+                "recent": [[t, [[b, x.to_data()] for b, x in d]] for t, d in self.recent.items()]}
 
     def load_state(self, state: dict) -> None:
         self.generated = {int(b): Lengths.from_data(x) for b, x in state["generated"]}
         self.recent = {int(t): deque(((int(b), Lengths.from_data(x)) for b, x in d), maxlen=ENSEMBLE)
                        for t, d in state["recent"]}
-        self.trend = {int(t): deque((tuple(p) for p in d), maxlen=TREND_WINDOW) for t, d in state["trend"]}
+        self._growth = {}
 
 
 __all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast", "uncensor", "workload_sample"]

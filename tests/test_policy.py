@@ -341,6 +341,26 @@ def test_responses_cut_at_a_cap_continue_past_its_rise():
     assert np.array_equal(after.response_lens, np.minimum(continued, 2 * cut))
 
 
+def test_a_cap_rise_is_not_growth():
+    # Lengths grow 3 % a batch and the cap rises from 4K to 8K at batch 8: the batches after the
+    # rise let longer responses through. Compared at the lower cap, batches 2-11 give the trend of
+    # the same batches under a cap that never rose, to the last bit. Their raw means grow more
+    # than twice as fast, a trend the forecast extrapolated until the rise left its window (in
+    # the suite's deepscaler runs, 3-5 x the trend before the rise).
+    cut, growth = 4096, {"length_median": 1500, "length_growth": 0.03, "sample_sigma": 0.5}
+    rising = job({**growth, "length_max": 2 * cut, "length_max_schedule": [[0, cut], [8, 2 * cut]]})
+    steady = job({**growth, "length_max": cut})
+    fits = []
+    for cfg in (rising, steady):
+        forecast = LengthForecast(cfg.workload, 3, PROMPTS, SPP)
+        for b in range(12):
+            forecast.observe(b, Lengths.of(batch_shape(cfg.workload, 3, b, PROMPTS, SPP)))
+        fits.append(forecast.growth(0))
+    raw = np.log([batch_shape(rising.workload, 3, b, PROMPTS, SPP).response_lens.mean() for b in range(2, 12)])
+    assert fits[0] == fits[1] > 0.0
+    assert np.polyfit(np.arange(2, 12), raw, 1)[0] > 2 * fits[0]          # what counting the rise gave
+
+
 def test_scripted_and_static():
     def cfg(**policy):
         return load_config({"cluster": {"ranks": 4}, "policy": policy})
