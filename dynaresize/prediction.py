@@ -375,7 +375,7 @@ class LengthForecast:
         seen = [(b0, x.response_lens) for b0, x in list(self.recent.get(task, ()))[-TREND_WINDOW:]
                 if x.response_lens.size]
         cap = min((response_cap(self.w, b0) for b0, _ in seen), default=0)
-        points = [(b0, float((lens if lens.max() <= cap else np.minimum(lens, cap)).mean())) for b0, lens in seen]
+        points = [(b0, float(np.minimum(lens, cap).mean())) for b0, lens in seen]
         points = [(b0, math.log(mean)) for b0, mean in points if mean > 0]
         if len(points) < 3:
             return 0.0
