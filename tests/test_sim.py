@@ -393,6 +393,11 @@ def test_suite_writes_the_table_for_each_workload(tmp_path):
     assert (summary["dynamic_vs_expected"] == summary["dynamic"] / summary["oracle, expected lengths"]).all()
     assert (summary["turns"] >= 0).all() and (summary["resizes"] >= summary["turns"]).all()
     assert (summary["decide_s"] > 0).all() and ((summary["decide_share"] > 0) & (summary["decide_share"] < 1)).all()
+    assert ((summary["prediction_error"] > 0) & (summary["prediction_error"] < 1)).all()
+    import analysis       # the dynamic run's own error, as `dynaresize-analyze` gives it
+    for w, error in zip(summary["workload"], summary["prediction_error"]):
+        tl = analysis.load_timeline(out / "h100-16" / w / "runs" / "dynamic")
+        assert error == pytest.approx(analysis.predictions(tl)["error"].abs().median(), rel=1e-12)
     # by default only the timelines of the table's runs stay
     kept = tmp_path / "kept"
     proc = subprocess.run(cmd[:cmd.index("--out")] + ["--out", str(kept)] + cmd[cmd.index("--jobs"):cmd.index("--keep")]

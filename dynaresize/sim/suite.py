@@ -102,13 +102,16 @@ def acceptance(r, dynamic: dict) -> dict:
     """The dynamic policy's figures of merit from a workload's throughputs `r` (row -> x hindsight
     static): against the oracle and against the oracle without foresight (expected lengths), the
     share of the oracle's gain over the pilot split it captures, its resizes and reversals of
-    direction, and its decisions' wall time here: the median, and the total as a share of the run
-    (rank 0 decides while every rank waits; the simulated time leaves it out)."""
+    direction, the median error of its prediction of the next iteration's time
+    (analysis.predictions: |predicted / measured - 1|, switch included), and its decisions' wall
+    time here: the median, and the total as a share of the run (rank 0 decides while every rank
+    waits; the simulated time leaves it out)."""
     gain = r["oracle"] / r["static, pilot"] - 1
     return {"dynamic_vs_oracle": r["dynamic"] / r["oracle"],
             "dynamic_vs_expected": r["dynamic"] / r["oracle, expected lengths"],
             "captured": (r["dynamic"] / r["static, pilot"] - 1) / gain if gain > 1e-9 else math.nan,
             "resizes": dynamic["resizes"], "turns": dynamic["turns"],
+            "prediction_error": dynamic["prediction_error_median"],
             "decide_s": dynamic["decide_s_median"],
             "decide_share": dynamic["decide_share"]}
 
@@ -308,7 +311,9 @@ def write_summary(out: str, summary: list[dict]) -> "object":
         f.write("Throughput relative to the hindsight-best static split (same seed and cost model per row); "
                 "dynamic_vs_oracle, dynamic_vs_expected (dynamic / the oracle without foresight), the share "
                 "of the oracle's gain over the pilot split that dynamic captures, "
-                "the dynamic run's resizes and reversals of direction (turns), and its decisions' wall time on "
+                "the dynamic run's resizes and reversals of direction (turns), the median error of its "
+                "prediction of the next iteration's time (prediction_error: |predicted / measured - 1|), "
+                "and its decisions' wall time on "
                 "this machine (decide_s: the median in seconds; decide_share: their total / the run's simulated "
                 "time).\n\n")
         f.write(markdown(df) + "\n")
