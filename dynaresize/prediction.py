@@ -6,7 +6,8 @@ the oracle (dynaresize.sim) and the start-up choice of a split (`policy.train_ra
   slowest rank is floored by the longest sequences it holds and by its queue), the train ranks'
   micro-batches (placement.assign_micro_batches) with every pass the trainer runs, the exchange and
   the weight sync. The stages overlap with max_lag 1 (the iteration lasts the longer) and add up
-  with max_lag 0. It also prices a switch between two splits (its critical path).
+  with max_lag 0. It also prices a switch between two splits: the critical path of the plan the
+  runtime runs (switchplan.critical_time).
 - `LengthForecast` says what a batch not generated yet will look like, from what a real system
   knows: the lengths of the batches already generated (per task of a mixture), their trend, and the
   configuration (the response cap of each batch, how many prompts a batch has, which task it is).
@@ -34,7 +35,8 @@ from .migration import tail_schedule
 from .placement import assign_micro_batches, place_prompts
 from .stealing import claim_schedule, queue_order
 from .shapes import batch_shape, generated_prompts, response_cap, task_index
-from .switchplan import reshard_load
+from . import switchplan
+from .roles import RoleTable
 
 EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
 NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
@@ -102,6 +104,7 @@ class IterationModel:
         # replays the same recent batches decision after decision, at the same candidate splits
         self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.pool = None      # a pricing.PricingPool, if rollouts are priced on workers (price_rollouts)
+        self._switches: dict[tuple, float] = {}     # switch(...) by its arguments
 
     @classmethod
     def for_job(cls, job, cm: CostModel, migration: tuple[int, int] | None = None) -> "IterationModel":
@@ -273,25 +276,21 @@ class IterationModel:
         return cands[min(window, key=lambda i: (predict(cands[i]).total, i))]
 
     def switch(self, k: int, k2: int, engines_from: int, release_mode: str, network: bool) -> float:
-        """Critical path of a switch from k to k2 train ranks (resize.switch): the slowest moving
-        rank's commit, memory hand-over and weight load. Ranks >= `engines_from` that train now
-        hold a parked engine (they generated before); the others start one cold."""
+        """Critical path of the switch from k to k2 train ranks: the plan resize.switch runs
+        (switchplan.plan), each operation priced by the cost model (switchplan.critical_time).
+        Ranks >= `engines_from` that train now hold a parked engine (they generated before); the
+        others start one cold."""
         if k2 == k:
             return 0.0
-        cm, W = self.cm, self.world
-        t = cm.switch_op_time("commit", ranks=W) + cm.switch_op_time("group_switch")
-        if network:
-            moved, messages = reshard_load(cm.numel, k, k2)
-            state = cm.switch_op_time("reshard", nbytes=max(moved), ranks=max(k, k2), messages=messages)
-        else:
-            state = cm.switch_op_time("stage_out", nbytes=cm.shard_bytes(k))
-        if k2 > k:        # into training: release the engine, get train rank 0's weights (stage-in overlaps)
-            t += cm.switch_op_time("release", release_mode=release_mode)
-            t += cm.switch_op_time("weight_load", nbytes=cm.weight_bytes, ranks=k2)
-            return t + (state if network else 0.0)
-        cold = k2 < engines_from                     # some leaving rank never had an engine
-        start = cm.switch_op_time("engine_start", restore=not cold, release_mode=release_mode)
-        return t + state + start + cm.switch_op_time("weight_load", nbytes=cm.weight_bytes)
+        parked_from = min(max(engines_from, k2), k)      # what the plan's times depend on: which
+        key = (k, k2, parked_from, release_mode, network)   # leaving ranks have an engine to wake
+        if key not in self._switches:
+            old = RoleTable.split(self.world, k)
+            plan = switchplan.plan(old, old.with_split(k2), parked=frozenset(range(parked_from, k)),
+                                   transport="network" if network else "file", numel=self.cm.numel,
+                                   release_mode=release_mode)
+            self._switches[key] = switchplan.critical_time(plan, self.cm.switch_op_time)
+        return self._switches[key]
 
 
 def workload_sample(workload, seed: int, b: int, prompts_per_batch: int, samples_per_prompt: int,

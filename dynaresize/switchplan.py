@@ -1,8 +1,9 @@
 """The switch plan: the operations that move a job from one role table to the next.
 
 Pure (no torch, no MPI): the runtime executes the plan (resize.py), the simulator prices it with
-the cost model (sim/core.py), and `dynaresize-analyze plan RUN ITERATION` prints it, so the three
-can never disagree on what a resize does.
+the cost model (sim/core.py) and the dynamic policy its critical path (walk, critical_time), and
+`dynaresize-analyze plan RUN ITERATION` prints it, so none of them can disagree on what a resize
+does.
 
 Moving from k to k' train ranks (train ranks are the block [0, k), so old and new train sets are
 both prefixes of the ranks), in this order:
@@ -27,7 +28,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
 
 from .roles import RoleTable
 
@@ -114,6 +117,42 @@ def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: s
         into = shard_bytes(numel, k2)
         ops.append(Op("stage_in", tuple(range(k2)), staging_critical, (into,) * k2, price={"nbytes": into}))
     return SwitchPlan(old, new, transport, tuple(ops), frozenset((set(parked) | set(joining)) - set(leaving)))
+
+
+def walk(p: SwitchPlan, clock: np.ndarray, duration: Callable[[Op], float | np.ndarray]
+         ) -> Iterator[tuple[Op, np.ndarray, np.ndarray, float | np.ndarray]]:
+    """The plan's operations on the ranks' clocks (`clock`, seconds per rank, advanced in place),
+    in order: (op, when each of its ranks starts it, when each ends it, its duration). A critical
+    op starts at its ranks' clocks (a collective once the last of them is ready, and ends
+    together) and lasts `duration(op)` (one figure, or one per rank of op.ranks); a background op
+    starts at its ranks' clocks and leaves them alone. The simulator prices a switch this way and
+    the policy its critical path (critical_time), so both time the operations the runtime runs."""
+    for op in p.ops:
+        ranks = np.array(op.ranks)
+        start = clock[ranks].copy()
+        dur = duration(op)
+        end = np.full(len(ranks), start.max() + dur) if op.collective and op.critical else start + dur
+        if op.critical:
+            clock[ranks] = end
+        yield op, start, end, dur
+
+
+def op_time(op: Op, time_of: Callable[..., float]) -> float | np.ndarray:
+    """What `op` lasts, priced by `time_of(name, **price)` (CostModel.switch_op_time): one figure,
+    or for an engine_start one per rank (a parked engine's wake-up or a cold start)."""
+    if not op.restored:
+        return time_of(op.name, **op.price)
+    wake, cold = (time_of(op.name, **{**op.price, "restore": x}) for x in (True, False))
+    return np.where(op.restored, wake, cold)
+
+
+def critical_time(p: SwitchPlan, time_of: Callable[..., float]) -> float:
+    """How long the plan holds up its slowest rank, each operation priced by `time_of` (op_time);
+    background operations taken as hidden."""
+    clock = np.zeros(p.old.world)
+    for _ in walk(p, clock, lambda op: op_time(op, time_of)):
+        pass
+    return float(clock.max())
 
 
 def shard_range(numel: int, shards: int, index: int) -> tuple[int, int]:

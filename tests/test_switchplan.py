@@ -2,6 +2,7 @@
 the runtime and the simulator follow it op by op: tests/test_resize.py."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dynaresize import switchplan
@@ -95,6 +96,40 @@ def test_the_network_reshard_moves_each_range_once_and_no_rank_more_than_its_own
     # NCCL: a group's first batched point-to-point call must include every rank of the group
     takes_part = {r for t in transfers for r in t[:2]}
     assert takes_part == (set(range(max(k, k2))) if k != k2 else set())
+
+
+# Toy prices: what each operation lasts, by name (engine_start: a wake-up, or a cold start).
+PRICES = {"commit": 1.0, "group_switch": 0.0, "release": 4.0, "reshard": 3.0, "stage_out": 100.0,
+          "stage_in": 100.0, "weight_load": 0.5}
+
+
+def toy_time(name, restore=False, ranks=1, **_):
+    if name == "engine_start":
+        return 2.0 if restore else 10.0
+    return PRICES[name] / 2 if name == "weight_load" and ranks > 1 else PRICES[name]
+
+
+def test_the_critical_path_waits_for_collectives_and_hides_background_operations():
+    old = RoleTable.split(8, 2)
+    grow = switchplan.plan(old, old.with_split(5), parked=frozenset(), transport="file", numel=NUMEL,
+                           release_mode="sleep")
+    clock = np.zeros(8)
+    steps = {op.name: (start, end) for op, start, end, _ in switchplan.walk(
+        grow, clock, lambda op: toy_time(op.name, ranks=len(op.ranks)))}
+    # the staying owners write in the background from the commit on; the broadcast starts when the
+    # last joining rank has released its engine, and every member ends it together
+    assert steps["stage_out"][0].tolist() == [1.0, 1.0] and steps["stage_out"][1].tolist() == [101.0, 101.0]
+    assert steps["weight_load"][0].tolist() == [1.0, 1.0, 5.0, 5.0, 5.0]
+    assert steps["weight_load"][1].tolist() == [5.25] * 5
+    assert clock.tolist() == [5.25] * 5 + [1.0] * 3          # rollout ranks only committed
+    assert switchplan.critical_time(grow, toy_time) == 5.25   # the staging is hidden
+    # shrinking across nodes: the reshard, then rank 1's cold start (the others wake parked engines)
+    shrink = switchplan.plan(RoleTable.split(8, 5), RoleTable.split(8, 5).with_split(1), parked=frozenset({2, 3, 4}),
+                             transport="network", numel=NUMEL, release_mode="sleep")
+    assert switchplan.critical_time(shrink, toy_time) == 1.0 + 3.0 + 10.0 + 0.5
+    warm = switchplan.plan(RoleTable.split(8, 5), RoleTable.split(8, 5).with_split(2), parked=frozenset({2, 3, 4}),
+                           transport="network", numel=NUMEL, release_mode="sleep")
+    assert switchplan.critical_time(warm, toy_time) == 1.0 + 3.0 + 2.0 + 0.5
 
 
 def test_format_plan_names_every_operation():

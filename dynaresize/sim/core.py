@@ -337,11 +337,11 @@ class Simulator:
         out["length_cap"] = out["response_len"]         # the hidden length: every response reaches it
         return out
 
-    def op(self, it, t, roles, ranks, name, dur, critical, nbytes=0, collective=False, attrs=None) -> None:
-        """A critical switch op on `ranks`: each starts at its clock; a collective ends together."""
+    def op(self, it, t, roles, ranks, name, dur, critical, nbytes=0) -> None:
+        """A critical switch op of colocated ranks outside a switch plan: each starts at its clock."""
         start = t[ranks].copy()
-        end = (start.max() + dur) if collective else start + dur
-        self.events.add(it, ranks, roles[ranks], name, start, end, schema.CRITICAL, nbytes=nbytes, attrs=attrs)
+        end = start + dur
+        self.events.add(it, ranks, roles[ranks], name, start, end, schema.CRITICAL, nbytes=nbytes)
         critical[ranks] += end - start
         t[ranks] = end
 
@@ -368,31 +368,29 @@ class Simulator:
         self.k, self.version = k2, sp.new.version
         roles = self.roles()                          # ops are recorded with the new table's roles
         stage_out_end = np.zeros(k)
-        for op in sp.ops:
+
+        def duration(op):
+            base = switchplan.op_time(op, cm.switch_op_time)
+            return base * (self._noise() if op.collective else self._noise(len(op.ranks)))
+
+        for op, start, end, dur in switchplan.walk(sp, t, duration):
             ranks = np.array(op.ranks)
-            if op.restored:                           # engine_start: a wake-up or a cold start per rank
-                base = np.array([cm.switch_op_time(op.name, **op.price_for(r)) for r in op.ranks])
-            else:
-                base = cm.switch_op_time(op.name, **op.price)
-            if op.name == "stage_in" and not op.critical:     # waited for at the optimizer step
-                read = base * self._noise(len(ranks))
-                for i, r in enumerate(op.ranks):
+            if op.name == "stage_in" and not op.critical:     # waited for at the optimizer step,
+                for i, r in enumerate(op.ranks):              # read once its old owners have written
                     src = switchplan.sources(cm.numel, k, k2, r)
-                    ready = stage_out_end[src.start:src.stop].max() if len(src) else t[r]
-                    pending[r] = (float(t[r]), float(max(t[r], ready) + read[i]), op.nbytes[i])
-                continue
-            dur = base * (self._noise() if op.collective else self._noise(len(ranks)))
-            nbytes = np.array(op.nbytes) if op.nbytes else 0
-            if not op.critical:                       # stage_out of ranks staying in training
-                stage_out_end[ranks] = t[ranks] + dur
-                background.append((ranks, op.name, t[ranks].copy(), t[ranks] + dur, op.nbytes[0]))
-                continue
-            attrs = ({"mode": self.release_mode} if op.name == "release" else
-                     [{"restored": bool(x)} for x in op.restored] if op.restored else None)
-            self.op(it, t, roles, ranks, op.name, dur, critical, nbytes=nbytes, collective=op.collective,
-                    attrs=attrs)
-            if op.name == "stage_out":
-                stage_out_end[ranks] = t[ranks]
+                    ready = stage_out_end[src.start:src.stop].max() if len(src) else start[i]
+                    pending[r] = (float(start[i]), float(max(start[i], ready) + dur[i]), op.nbytes[i])
+            elif not op.critical:                     # stage_out of ranks staying in training
+                stage_out_end[ranks] = end
+                background.append((ranks, op.name, start, end, op.nbytes[0]))
+            else:
+                attrs = ({"mode": self.release_mode} if op.name == "release" else
+                         [{"restored": bool(x)} for x in op.restored] if op.restored else None)
+                self.events.add(it, ranks, roles[ranks], op.name, start, end, schema.CRITICAL,
+                                nbytes=np.array(op.nbytes) if op.nbytes else 0, attrs=attrs)
+                critical[ranks] += end - start
+                if op.name == "stage_out":
+                    stage_out_end[ranks] = end
         self.parked[:] = False
         self.parked[list(sp.parked_after)] = True
 
