@@ -147,6 +147,12 @@ class CostModel:
         """Whether a group of `ranks` consecutive ranks (from rank 0) spans nodes."""
         return self.gpus_per_node > 0 and ranks > self.gpus_per_node
 
+    def hostnames(self, ranks: int) -> list[str]:
+        """The node of each of `ranks` ranks, as the profile lays them out: gpus_per_node ranks a
+        node, in rank order (one node without gpus_per_node)."""
+        gpn = self.gpus_per_node
+        return [f"node{r // gpn if gpn > 0 else 0}" for r in range(ranks)]
+
     # --- rollout -----------------------------------------------------------------------------
     # A rank's rollout: prefill, then decode steps. Every step costs per_step_s (reading the
     # weights, host work) plus per_token_s per running sequence plus per_kv_token_s per context

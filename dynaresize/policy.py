@@ -166,9 +166,6 @@ class DynamicPolicy(Policy):
         r = job.rollout
         self.forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
         self.iterations = job.run.iterations
-        self.release_mode = r.release
-        self.network = job.staging.transport == "network" or (job.staging.transport == "auto"
-                                                             and cost.multi_node(self.world))
         # measured / predicted: stage times, and switch times by destination (1 until measured)
         self.scale = {"rollout": 1.0, "train": 1.0, "switch to rollout": 1.0, "switch to train": 1.0}
         self.measured: set[str] = set()                        # which of them have a measurement
@@ -357,7 +354,7 @@ class DynamicPolicy(Policy):
             return 0.0
         where = "rollout" if k2 < k else "train"
         e = self.engines_from if engines_from is None else engines_from
-        return self.scale[f"switch to {where}"] * self.model.switch(k, k2, e, self.release_mode, self.network)
+        return self.scale[f"switch to {where}"] * self.model.switch(k, k2, e)
 
     def _keep(self, s, reason, p=None, attrs=None, gain=math.nan) -> Decision:
         return Decision(s.iteration, s.train_ranks, s.train_ranks, reason, p.rollout if p else math.nan,

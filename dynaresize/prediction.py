@@ -89,9 +89,13 @@ class IterationModel:
     """Prices iterations and switches of a job of `world` ranks (see the module docstring)."""
 
     def __init__(self, cm: CostModel, world: int, max_lag: int, micro_batch_size: int, resize_unit: int = 1,
-                 work_stealing: bool = False, release_mode: str = "sleep", migration: tuple[int, int] | None = None):
+                 work_stealing: bool = False, release_mode: str = "sleep", migration: tuple[int, int] | None = None,
+                 transport: str = "auto", staging_critical: bool = False):
         self.cm, self.world, self.lag, self.mbs = cm, world, max_lag, micro_batch_size
         self.work_stealing = work_stealing
+        # what a switch plan depends on: rollout.release, staging.transport and .critical, the nodes
+        self.release_mode, self.transport, self.staging_critical = release_mode, transport, staging_critical
+        self.hosts = cm.hostnames(world)
         self.migration = migration          # tail migration: (rollout.migration_threshold, rollout.tail_ranks)
         self.engine_times = cm.helper_engine_times(release_mode)   # a helper's engine: (sleep, wake)
         unit = max(resize_unit, 1)
@@ -111,7 +115,8 @@ class IterationModel:
         """The model of job config `job` (config.JobConfig) priced by `cm`; `migration`: the tail
         migration it predicts with (migration.priced_migration), None for none."""
         return cls(cm, job.cluster.ranks, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
-                   job.trainer.work_stealing, job.rollout.release, migration)
+                   job.trainer.work_stealing, job.rollout.release, migration, job.staging.transport,
+                   job.staging.critical)
 
     def _memo(self, batch: Lengths, key: tuple, compute: Callable):
         priced = self._priced.get(batch)
@@ -275,20 +280,21 @@ class IterationModel:
                 window.append(cands.index(self.node_split))
         return cands[min(window, key=lambda i: (predict(cands[i]).total, i))]
 
-    def switch(self, k: int, k2: int, engines_from: int, release_mode: str, network: bool) -> float:
+    def switch(self, k: int, k2: int, engines_from: int) -> float:
         """Critical path of the switch from k to k2 train ranks: the plan resize.switch runs
-        (switchplan.plan), each operation priced by the cost model (switchplan.critical_time).
-        Ranks >= `engines_from` that train now hold a parked engine (they generated before); the
-        others start one cold."""
+        (switchplan.plan, its transport chosen as the runtime does on the profile's nodes), each
+        operation priced by the cost model (switchplan.critical_time). Ranks >= `engines_from`
+        that train now hold a parked engine (they generated before); the others start one cold."""
         if k2 == k:
             return 0.0
-        parked_from = min(max(engines_from, k2), k)      # what the plan's times depend on: which
-        key = (k, k2, parked_from, release_mode, network)   # leaving ranks have an engine to wake
+        parked_from = min(max(engines_from, k2), k)    # what the plan's times depend on: which
+        key = (k, k2, parked_from)                      # leaving ranks have an engine to wake
         if key not in self._switches:
             old = RoleTable.split(self.world, k)
             plan = switchplan.plan(old, old.with_split(k2), parked=frozenset(range(parked_from, k)),
-                                   transport="network" if network else "file", numel=self.cm.numel,
-                                   release_mode=release_mode)
+                                   transport=switchplan.transport(self.transport, self.hosts, max(k, k2)),
+                                   numel=self.cm.numel, release_mode=self.release_mode,
+                                   staging_critical=self.staging_critical)
             self._switches[key] = switchplan.critical_time(plan, self.cm.switch_op_time)
         return self._switches[key]
 

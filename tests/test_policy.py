@@ -14,7 +14,9 @@ from dynaresize.costmodel import CostModel
 from dynaresize.hardware import load_profile
 from dynaresize.policy import DynamicPolicy, IterationStats, ScriptedPolicy, make_policy, steps_to_search
 from dynaresize.prediction import IterationModel, LengthForecast, Lengths, uncensor, workload_sample
+from dynaresize.roles import RoleTable
 from dynaresize.shapes import batch_shape
+from dynaresize.switchplan import critical_time, plan
 
 WORLD = 16
 PROMPTS, SPP = 64, 8
@@ -49,7 +51,9 @@ def closed_loop(policy: DynamicPolicy, batches: list[Lengths], k: int, noise: fl
     iteration and the measured iteration times (switch included). The measurements come from a
     model of their own, not the policy's."""
     pm = policy.model
-    model, rng = IterationModel(pm.cm, pm.world, pm.lag, pm.mbs), np.random.default_rng(seed)
+    model = IterationModel(pm.cm, pm.world, pm.lag, pm.mbs, release_mode=pm.release_mode, transport=pm.transport,
+                           staging_critical=pm.staging_critical)
+    rng = np.random.default_rng(seed)
     splits, times, switch = [], [], 0.0
     for it, gen in enumerate(batches):
         trained = batches[it - 1] if it > 0 else None
@@ -60,7 +64,7 @@ def closed_loop(policy: DynamicPolicy, batches: list[Lengths], k: int, noise: fl
         times.append(max(r, t) + switch)
         d = policy.decide(IterationStats(it, k, WORLD, r, t, switch, generated_batch=it,
                                          trained_batch=it - 1 if trained is not None else -1, lengths=gen))
-        switch = model.switch(k, d.to_train, policy.engines_from, "sleep", False) if d.moves else 0.0
+        switch = model.switch(k, d.to_train, policy.engines_from) if d.moves else 0.0
         k = d.to_train
     return splits, times
 
@@ -101,7 +105,9 @@ def test_train_bound_moves_to_training_and_settles_on_the_best_split():
 
 def test_drifting_lengths_move_ranks_to_rollout_without_going_back():
     cfg = job()
-    policy = DynamicPolicy(cfg, cost(cfg))
+    # The ranks leaving training start an engine cold: at the profile's 60 s, 50 iterations of
+    # drift pay it back only after the last one, so this engine starts in 20 s.
+    policy = DynamicPolicy(cfg, cost(cfg, engine_start_s=20.0))
     batches = [batch(300 * 1.06 ** i, seed=i) for i in range(50)]
     model = policy.model
     start = best_split(model, batches[1], batches[0])
@@ -110,6 +116,24 @@ def test_drifting_lengths_move_ranks_to_rollout_without_going_back():
     assert all(b <= a for a, b in zip(splits, splits[1:])), splits      # never against the drift
     late = [best_split(model, batches[i], batches[i - 1]) for i in range(40, 50)]
     assert min(late) - 1 <= splits[-1] <= max(late) + 1, (splits[-10:], late)
+
+
+def test_a_switch_is_priced_as_the_plan_the_runtime_runs_on_its_nodes():
+    # 16 ranks, 8 a node (H100). A move inside the first node stages through files: a rank leaving
+    # training writes its shard before its engine wakes. One across nodes reshards on the network.
+    cfg = job()
+    model = DynamicPolicy(cfg, cost(cfg)).model
+
+    def priced(k, k2, transport):     # the leaving ranks wake parked engines (engines_from=0)
+        old = RoleTable.split(WORLD, k)
+        return critical_time(plan(old, old.with_split(k2), parked=frozenset(range(k2, k)), transport=transport,
+                                  numel=model.cm.numel, release_mode="sleep"), model.cm.switch_op_time)
+
+    assert model.switch(8, 7, 0) == priced(8, 7, "file")
+    assert model.switch(9, 8, 0) == priced(9, 8, "network")
+    assert model.switch(8, 7, 0) > 2 * model.switch(9, 8, 0)         # a spilled shard against a reshard
+    cfg.staging.transport = "network"
+    assert DynamicPolicy(cfg, cost(cfg)).model.switch(8, 7, 0) == priced(8, 7, "network")
 
 
 def test_alternating_tasks_are_followed_only_when_switching_pays():
@@ -299,7 +323,7 @@ def test_pricing_workers_change_a_decisions_time_not_the_decision():
     serial_cfg, pooled_cfg = job(train_ranks=2), job(train_ranks=2, pricing_workers=2)
     serial, pooled = DynamicPolicy(serial_cfg, cost(serial_cfg)), DynamicPolicy(pooled_cfg, cost(pooled_cfg))
     model = serial.model
-    batches = [batch(300 * 1.15 ** i, seed=i) for i in range(12)]
+    batches = [batch(300 * 1.2 ** i, seed=i) for i in range(12)]
     k = serial.initial_train_ranks()
     assert pooled.initial_train_ranks() == k
     splits = [k]

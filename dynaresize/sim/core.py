@@ -101,9 +101,7 @@ class Simulator:
         # a rank that left rollout keeps its released engine (resize.switch: parked) for its return
         self.parked = np.zeros(self.W, dtype=bool)
         self.release_mode = cfg.rollout.release
-        # the node of each rank, as the runtime sees hostnames (staging transport)
-        gpn = self.cm.gpus_per_node
-        self.hosts = [f"node{r // gpn if gpn > 0 else 0}" for r in range(self.W)]
+        self.hosts = self.cm.hostnames(self.W)     # the node of each rank, as the runtime sees hostnames
         self.events = EventBuffer()
         self.rows: dict[str, list] = {"iterations": [], "decisions": [], "samples": []}
 
