@@ -142,8 +142,7 @@ def op_time(op: Op, time_of: Callable[..., float]) -> float | np.ndarray:
     or for an engine_start one per rank (a parked engine's wake-up or a cold start)."""
     if not op.restored:
         return time_of(op.name, **op.price)
-    wake, cold = (time_of(op.name, **{**op.price, "restore": x}) for x in (True, False))
-    return np.where(op.restored, wake, cold)
+    return np.array([time_of(op.name, **op.price_for(r)) for r in op.ranks])
 
 
 def critical_time(p: SwitchPlan, time_of: Callable[..., float]) -> float:
