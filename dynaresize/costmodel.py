@@ -83,6 +83,12 @@ def list_schedule(lengths: list[int], slots: int) -> tuple[list[int], int]:
     return starts, max(free, default=0)
 
 
+def _first_node_ranks(hosts: Sequence[str]) -> int:
+    """How many ranks, from rank 0, run on rank 0's node before another node's first rank; 0
+    when every rank shares one node (CostModel.gpus_per_node's "one node")."""
+    return next((r for r, host in enumerate(hosts) if host != hosts[0]), 0)
+
+
 def _log2_steps(ranks) -> np.ndarray | float:
     r = np.maximum(np.asarray(ranks, dtype=np.float64), 1.0)
     out = np.ceil(np.log2(r))
@@ -97,7 +103,8 @@ class CostModel:
 
     def __init__(self, profile: HardwareProfile | str, model: ModelSpec | None = None, *,
                  samples_per_prompt: int = 4, micro_batch_size: int = 4, grad_reduce_bytes: int = 8,
-                 reference_model: bool = False, recompute_logprobs: bool = False):
+                 reference_model: bool = False, recompute_logprobs: bool = False,
+                 hosts: Sequence[str] | None = None):
         self.profile = load_profile(profile)
         self.model = self.profile.model or model
         if self.model is None:
@@ -108,7 +115,10 @@ class CostModel:
         self.grad_reduce_bytes = grad_reduce_bytes
         # forward-only passes the trainer runs before the update: reference model, old-log-prob recompute
         self.logprob_passes = int(reference_model) + int(recompute_logprobs)
-        self.gpus_per_node = self.profile.gpus_per_node
+        # The node of each rank: a running job's own (`hosts`), else the profile's layout. Train
+        # groups are prefixes of the ranks, so what prices them is how many ranks share rank 0's node.
+        self.hosts = list(hosts) if hosts is not None else None
+        self.gpus_per_node = self.profile.gpus_per_node if hosts is None else _first_node_ranks(self.hosts)
         self.continuous = self.profile.batching == "continuous"
         self.max_num_seqs = self.profile.max_num_seqs
         self.scale = self.profile.time_scale
@@ -119,14 +129,16 @@ class CostModel:
         self.kv_capacity = kv_capacity_tokens(self.profile, self.model)
 
     @classmethod
-    def for_job(cls, cfg, profile: HardwareProfile | str | Mapping) -> "CostModel":
-        """The cost model of a job config (dynaresize.config.JobConfig)."""
+    def for_job(cls, cfg, profile: HardwareProfile | str | Mapping, hosts: Sequence[str] | None = None) -> "CostModel":
+        """The cost model of a job config (dynaresize.config.JobConfig); `hosts`: the node of each
+        of its ranks where the job runs (ControlPlane.hostnames), None for the profile's layout."""
         profile = load_profile(profile)
         model = profile.model or ModelSpec.from_model_config(cfg.model)
         return cls(profile, model, samples_per_prompt=cfg.rollout.samples_per_prompt,
                    micro_batch_size=cfg.trainer.micro_batch_size,
                    grad_reduce_bytes=8 if cfg.trainer.grad_reduce_dtype == "float64" else 4,
-                   reference_model=cfg.trainer.kl_coef > 0, recompute_logprobs=cfg.trainer.recompute_logprobs)
+                   reference_model=cfg.trainer.kl_coef > 0, recompute_logprobs=cfg.trainer.recompute_logprobs,
+                   hosts=hosts)
 
     # --- sizes the runtime moves ----------------------------------------------------------------
     @property
@@ -148,8 +160,10 @@ class CostModel:
         return self.gpus_per_node > 0 and ranks > self.gpus_per_node
 
     def hostnames(self, ranks: int) -> list[str]:
-        """The node of each of `ranks` ranks, as the profile lays them out: gpus_per_node ranks a
-        node, in rank order (one node without gpus_per_node)."""
+        """The node of each of the first `ranks` ranks: the job's own hosts if given, else as the
+        profile lays them out (gpus_per_node ranks a node, in rank order; one node without it)."""
+        if self.hosts is not None:
+            return self.hosts[:ranks]
         gpn = self.gpus_per_node
         return [f"node{r // gpn if gpn > 0 else 0}" for r in range(ranks)]
 

@@ -63,8 +63,9 @@ class Job:
         self.device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
         self.rec = Recorder(self.rank, ctrl.now)
         emulate = cfg.run.mode == "emulate"
-        # the cost model: emulation's prices, the dynamic policy's predictions, work stealing's decision to join
-        model = CostModel.for_job(cfg, job_profile(cfg)) \
+        # the cost model: emulation's prices, the dynamic policy's predictions, work stealing's decision to join.
+        # A run prices the nodes it runs on (moves, collectives); emulation prices the profile's machine.
+        model = CostModel.for_job(cfg, job_profile(cfg), hosts=None if emulate else ctrl.hostnames) \
             if emulate or POLICIES[cfg.policy.name].needs_cost_model or cfg.trainer.work_stealing \
             or cfg.rollout.migration_threshold == "auto" else None
         self.cost = model if emulate else None     # emulation: stages last what the profile's device would take

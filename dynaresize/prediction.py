@@ -282,9 +282,10 @@ class IterationModel:
 
     def switch(self, k: int, k2: int, engines_from: int) -> float:
         """Critical path of the switch from k to k2 train ranks: the plan resize.switch runs
-        (switchplan.plan, its transport chosen as the runtime does on the profile's nodes), each
-        operation priced by the cost model (switchplan.critical_time). Ranks >= `engines_from`
-        that train now hold a parked engine (they generated before); the others start one cold."""
+        (switchplan.plan, its transport chosen as the runtime does on the cost model's nodes: the
+        job's own in a run, the profile's in a simulation), each operation priced by the cost
+        model (switchplan.critical_time). Ranks >= `engines_from` that train now hold a parked
+        engine (they generated before); the others start one cold."""
         if k2 == k:
             return 0.0
         parked_from = min(max(engines_from, k2), k)    # what the plan's times depend on: which

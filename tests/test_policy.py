@@ -136,6 +136,28 @@ def test_a_switch_is_priced_as_the_plan_the_runtime_runs_on_its_nodes():
     assert DynamicPolicy(cfg, cost(cfg)).model.switch(8, 7, 0) == priced(8, 7, "network")
 
 
+def test_a_running_job_prices_the_nodes_it_runs_on():
+    # The same 16 ranks on nodes of 4 (the hosts the job runs on), where the profile says 8 a
+    # node: the move from 8 to 7 train ranks spans nodes, so the policy prices the network reshard
+    # the runtime's plan runs, and the train group's collectives leave the node above 4 ranks.
+    cfg = job()
+    hosts = [f"n{r // 4}" for r in range(WORLD)]
+    ours = CostModel.for_job(cfg, load_profile("h100"), hosts=hosts)
+    assert ours.hostnames(WORLD) == hosts and ours.gpus_per_node == 4
+    assert ours.multi_node(5) and not ours.multi_node(4)
+    assert ours.train_sync_time(8) > cost(cfg).train_sync_time(8)
+    model = DynamicPolicy(cfg, ours).model
+    assert model.node_split == 4
+    old = RoleTable.split(WORLD, 8)
+    network = plan(old, old.with_split(7), parked=frozenset({7}), transport="network", numel=ours.numel,
+                   release_mode="sleep")
+    assert model.switch(8, 7, 0) == critical_time(network, ours.switch_op_time)
+    assert model.switch(8, 7, 0) < DynamicPolicy(cfg, cost(cfg)).model.switch(8, 7, 0)   # no spilled shard
+    # All on one host: one node, whatever the profile says.
+    alone = CostModel.for_job(cfg, load_profile("h100"), hosts=["n0"] * WORLD)
+    assert alone.gpus_per_node == 0 and not alone.multi_node(WORLD)
+
+
 def test_alternating_tasks_are_followed_only_when_switching_pays():
     # Long and short batches of two tasks alternate (the mixture says which batch is which task,
     # as a data loader knows); the best split of each differs by many ranks.
