@@ -8,8 +8,9 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["dynaresize", "dynaresize.*", "analysis", "analysis.*"]),
-    include_package_data=True,
+    packages=find_packages(include=["dynaresize", "dynaresize.*"]),
+    # The Hydra configs (dynaresize/conf/) are package data: `dynaresize` runs from a wheel too.
+    package_data={"dynaresize": ["conf/*.yaml", "conf/*/*.yaml", "conf/*/*/*.yaml"]},
     install_requires=[
         # Any torch from 2.4 on; on CPU-only machines install the CPU build first (see README).
         "torch>=2.4",
@@ -36,11 +37,11 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "dynaresize=dynaresize.cli:main",
-            "dynaresize-analyze=analysis.cli:main",
-            "dynaresize-bench=dynaresize.bench:main",
+            "dynaresize=dynaresize.launch.cli:main",
+            "dynaresize-analyze=dynaresize.analysis.cli:main",
+            "dynaresize-bench=dynaresize.launch.bench:main",
             "dynaresize-sim=dynaresize.sim.cli:main",
-            "dynaresize-calibrate=dynaresize.calibrate:main",
+            "dynaresize-calibrate=dynaresize.plan.calibrate:main",
         ],
     },
 )

@@ -7,5 +7,5 @@ __version__ = "0.1.0"
 
 import os as _os
 
-# conf/, the Hydra configs, sits beside the package in the source tree (`pip install -e .`).
-CONF_DIR = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "conf")
+# The Hydra configs ship inside the package (package data), so a wheel install has them too.
+CONF_DIR = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "conf")

@@ -1,8 +1,9 @@
 """Typed configuration, checked before any rank starts.
 
-Hydra composes conf/ into a DictConfig; `load_config` merges it onto these dataclasses (so a wrong
-type is reported with its field) and `validate.validate` checks the values that types cannot
-express. Every error names the field and the fix.
+Hydra composes dynaresize/conf/ into a DictConfig; `parse_config` merges it onto these dataclasses (so a
+wrong type is reported with its field) and the launcher's `launch.validate` checks the values that
+types cannot express. Every error names the field and the fix. This module imports nothing of the
+project's own: every layer may read the configuration.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-# conf/cluster/slurm.yaml: ranks = nodes x gpus_per_node
+# dynaresize/conf/cluster/slurm.yaml: ranks = nodes x gpus_per_node
 OmegaConf.register_new_resolver("multiply", lambda a, b: int(a) * int(b), replace=True)
 
 
@@ -64,7 +65,7 @@ class ModelConfig:
 
 @dataclass
 class WorkloadConfig:
-    """The task and the shape of its batches (dynaresize/shapes.py; presets in conf/workload/)."""
+    """The task and the shape of its batches (dynaresize/data/shapes.py; presets in dynaresize/conf/workload/)."""
     task: str = "reverse"          # reverse | sort | add (built-in digit tasks) | dataset (data.*)
     digits_min: int = 3
     digits_max: int = 8
@@ -88,7 +89,7 @@ class WorkloadConfig:
 
 @dataclass
 class DataConfig:
-    """Prompts from your own dataset (workload.task=dataset, preset workload=dataset; dynaresize/data.py)."""
+    """Prompts from your own dataset (workload.task=dataset, preset workload=dataset; dynaresize/data/datasets.py)."""
     train_files: list[str] = field(default_factory=list)  # JSONL (one object per line) or Parquet files
     prompt_key: str = "prompt"     # the field holding the prompt text
     answer_key: str = "answer"     # the field holding the reference answer (handed to the reward)
@@ -100,8 +101,8 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """The reward: `fn(prompt, response, answer, extra) -> float` (dynaresize/rewards.py)."""
-    _target_: str = "dynaresize.rewards.digit_match"   # dotted path of a function importable on every rank
+    """The reward: `fn(prompt, response, answer, extra) -> float` (dynaresize/data/rewards.py)."""
+    _target_: str = "dynaresize.data.rewards.digit_match"   # dotted path of a function importable on every rank
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments (+reward.kwargs.NAME=VALUE)
     on_error: str = "fail"         # a reward that raises: fail (end the job naming the sample) | zero (score 0, warn)
 
@@ -205,7 +206,7 @@ class JobConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    # Hardware profile for run.mode=emulate and the simulator (conf/hardware/, +hardware=h100);
+    # Hardware profile for run.mode=emulate and the simulator (dynaresize/conf/hardware/, +hardware=h100);
     # unset: the CPU profile fitted on this setting.
     hardware: Optional[dict[str, Any]] = None
     # Where rank 0 writes per-iteration metrics: console (the progress line), tensorboard, wandb.
@@ -218,14 +219,15 @@ class JobConfig:
 
 
 def register_schema() -> None:
-    """The typed schema as `dynaresize_schema`, the base of conf/config.yaml, for both command lines
+    """The typed schema as `dynaresize_schema`, the base of dynaresize/conf/config.yaml, for both command lines
     (dynaresize, dynaresize-sim): every field exists, with its type and default."""
     from hydra.core.config_store import ConfigStore
     ConfigStore.instance().store(name="dynaresize_schema", node=JobConfig)
 
 
-def load_config(raw: DictConfig | dict) -> JobConfig:
-    """Merge a composed config onto the typed schema; unknown keys and wrong types are errors."""
+def parse_config(raw: DictConfig | dict) -> JobConfig:
+    """Merge a composed config onto the typed schema; unknown keys and wrong types are errors.
+    The values are not checked here: `dynaresize.launch.validate.load_config` does both."""
     if isinstance(raw, dict):
         raw = OmegaConf.create(raw)
     raw = OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"]) if "hydra" in raw else raw
@@ -237,8 +239,6 @@ def load_config(raw: DictConfig | dict) -> JobConfig:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError("invalid configuration:\n" + omegaconf_problem(e)) from None
-    from .validate import validate       # the value checks need the schema above
-    validate(cfg)
     return cfg
 
 
@@ -311,7 +311,7 @@ def omegaconf_problem(e: OmegaConfBaseException, key: Optional[str] = None) -> s
     elif kind == "field":
         fix = f"set the fields of {key} (key.field=value), or choose a preset of its config group"
     else:
-        fix = "correct the value (see conf/ and dynaresize/config.py for the fields and their types)"
+        fix = "correct the value (see dynaresize/conf/ and dynaresize/config.py for the fields and their types)"
     return f"  {key}: {problem}. Fix: {fix}."
 
 

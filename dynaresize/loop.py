@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .policy import Decision
+from .plan.policy import Decision
 
 
 class Stages(Protocol):
@@ -65,8 +65,3 @@ def run_iterations(job: Stages, iterations: int, lag: int) -> None:
 
     job.finish()
 
-
-def run_job(cfg, ctrl) -> None:
-    """One rank of the job `cfg` (dynaresize.config.JobConfig) over the control plane `ctrl`."""
-    from .job import Job                      # torch: only where a rank runs, not in the simulator
-    run_iterations(Job(cfg, ctrl), cfg.run.iterations, cfg.run.max_lag)

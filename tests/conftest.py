@@ -16,7 +16,7 @@ def _env() -> dict[str, str]:
     return mpi_env()
 
 
-def run_cli(run_dir, *overrides, timeout=240, check=True, entry="dynaresize.cli",
+def run_cli(run_dir, *overrides, timeout=240, check=True, entry="dynaresize.launch.cli",
             pin_policy=True, env=None) -> subprocess.CompletedProcess:
     """`dynaresize <overrides>` with its Hydra run directory at `run_dir`. Unless the overrides
     choose a policy (or pin_policy=False), the run is static: the default policy (dynamic) moves

@@ -29,7 +29,7 @@ fi
 # from the same source tree.
 if [ "${1:-}" = --install-only ]; then exit 0; fi
 "$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/python" -c "import vllm, dynaresize.rollout.vllm_engine; print('vllm', vllm.__version__)"
+"$VENV/bin/python" -c "import vllm, dynaresize.runtime.rollout.vllm_engine; print('vllm', vllm.__version__)"
 
 export PATH="$PWD/$VENV/bin:$PATH"
 "$VENV/bin/python" -m pytest -q --timeout=900 -m vllm "$@"

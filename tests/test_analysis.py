@@ -1,7 +1,7 @@
 """Tests of the offline analysis package (analysis/): metrics against hand-computed values,
 report files, run comparison, following a running job, no torch/MPI, and bad files.
 
-Over 400 lines: one test per metric definition of analysis/metrics.py, checked against
+Over 400 lines: one test per metric definition of dynaresize/analysis/metrics.py, checked against
 hand-computed values on the same small timelines (analysis_fixtures), so they stay in one file."""
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import pytest
 from analysis_fixtures import (HAND_EVENTS, ROOT, child_env, ev, it, sample, write_hand_timeline,
                                write_simple_run, write_timeline)
 
-import analysis  # noqa: E402  (analysis_fixtures puts the repository root on sys.path)
-from analysis.cli import main
+from dynaresize import analysis  # noqa: E402  (analysis_fixtures puts the repository root on sys.path)
+from dynaresize.analysis.cli import main
 from dynaresize.timeline import schema
 from dynaresize.timeline.schema import TimelineError
 
@@ -377,7 +377,7 @@ def test_follow_sees_iterations_while_written(tmp_path):
     timeline.parent.mkdir()
     follow_out, writer_out = [], []
     follower = subprocess.Popen(
-        [sys.executable, "-m", "analysis.cli", str(timeline.parent), "--follow", "--interval",
+        [sys.executable, "-m", "dynaresize.analysis.cli", str(timeline.parent), "--follow", "--interval",
          "0.1", "--timeout", "25"], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     reader = threading.Thread(target=_lines_with_times, args=(follower.stdout, follow_out))
@@ -430,8 +430,8 @@ NO_TORCH = textwrap.dedent("""
                 raise ImportError(f"importing {name} is blocked in this test")
             return None
     sys.meta_path.insert(0, Block())
-    import analysis
-    from analysis.cli import main
+    from dynaresize import analysis
+    from dynaresize.analysis.cli import main
     tl = analysis.load_timeline(sys.argv[1])
     analysis.run_metrics(tl)
     assert main([sys.argv[1]]) == 0
@@ -501,7 +501,7 @@ def test_bad_files(tmp_path, hand, capsys):
 def test_cli_exit_status_in_subprocess(tmp_path):
     bad = tmp_path / "bad.h5"
     bad.write_bytes(b"\x00" * 100)
-    result = subprocess.run([sys.executable, "-m", "analysis", str(bad)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "dynaresize.analysis", str(bad)], cwd=ROOT,
                             env=child_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "not an HDF5 file" in result.stderr and "Traceback" not in result.stderr

@@ -11,7 +11,7 @@ from conftest import ROOT, _env
 
 
 def analyze(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "analysis.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dynaresize.analysis.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=_env())
 
 
@@ -35,7 +35,7 @@ def test_report_of_a_real_run(static_run):
 def test_compare_over_a_real_multirun(tmp_path):
     sweep = tmp_path / "sweep"
     # 2 ranks a point: what is compared is the sweep's four runs, not their size
-    cmd = [sys.executable, "-m", "dynaresize.cli", "-m", "policy=static,dynamic", "run.seed=1,2", "cluster.ranks=2",
+    cmd = [sys.executable, "-m", "dynaresize.launch.cli", "-m", "policy=static,dynamic", "run.seed=1,2", "cluster.ranks=2",
            "policy.train_ranks=1", "run.iterations=2", "run.report=false", "run.save_model=false",
            f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=_env())

@@ -12,7 +12,7 @@ TINY = ["model.hidden_size=128", "model.num_layers=2", "model.num_heads=4", "mod
 
 
 def test_switch_benchmark_table(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "dynaresize.bench", "--repeats", "1", "--out", str(tmp_path), *TINY],
+    proc = subprocess.run([sys.executable, "-m", "dynaresize.launch.bench", "--repeats", "1", "--out", str(tmp_path), *TINY],
                           capture_output=True, text=True, timeout=400, cwd=ROOT, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     for variant in ("reuse, staging in background", "no reuse, staging in background",

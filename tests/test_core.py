@@ -62,7 +62,7 @@ def test_the_summary_says_what_the_decisions_cost(default_run):
     their share of the run's wall time, from the timeline's attributes."""
     import re
 
-    import analysis
+    from dynaresize import analysis
     run_dir, proc = default_run
     m = analysis.run_metrics(analysis.load_timeline(run_dir))
     with h5py.File(run_dir / "timeline.h5", "r") as f:
@@ -80,7 +80,7 @@ def test_printed_bubble_is_the_reports(default_run):
     so a background switch op that overlaps a stage is not counted twice)."""
     import re
 
-    import analysis
+    from dynaresize import analysis
     run_dir, proc = default_run
     printed = {int(m.group(1)) - 1: int(m.group(2))
                for m in re.finditer(r"\[dynaresize\] iter +(\d+)/\d+ .*? bubble +(\d+)%", proc.stdout)}
@@ -150,8 +150,8 @@ def test_ranks_waiting_on_the_control_plane_leave_the_cores_to_the_others(tmp_pa
 def test_the_launcher_does_not_import_torch():
     """The launcher (config, validation, resume checks, local and Slurm launch) runs before the
     ranks start, on the critical path of every job: importing torch there costs seconds of CPU."""
-    code = ("import sys, dynaresize.cli, dynaresize.launch.local, dynaresize.launch.slurm, dynaresize.checkpoint, "
-            "dynaresize.validate; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = ("import sys, dynaresize.launch.cli, dynaresize.launch.local, dynaresize.launch.slurm, dynaresize.runtime.checkpoint, "
+            "dynaresize.launch.validate; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from dynaresize.config import ModelConfig
-from dynaresize.costmodel import CostModel
-from dynaresize.hardware import (CONF_DIR, Coefficients, HardwareProfile, ModelSpec, ProfileError, available_profiles,
+from dynaresize.plan.costmodel import CostModel
+from dynaresize.plan.hardware import (CONF_DIR, Coefficients, HardwareProfile, ModelSpec, ProfileError, available_profiles,
                                  load_profile, qwen2_params)
 from dynaresize.timeline.schema import SWITCH_OPS
 
@@ -176,7 +176,7 @@ def test_verl_issue_658_the_longest_sample_sets_a_workers_time():
 def test_verl_issue_7203_grpo_step_breakdown():
     """verl issue #7203 (a GRPO step breakdown): old_log_prob 84 s, ref 82 s, update_actor 91 s: the
     forward-only passes cost about as much as the update that does 3x their FLOPs. mfu_logprob is
-    calibrated from this figure (conf/hardware/h100.yaml), so this checks the calibration holds:
+    calibrated from this figure (dynaresize/conf/hardware/h100.yaml), so this checks the calibration holds:
     each pass within 10 % of its share of the update. A train stage with both passes costs
     update + 2 forward passes."""
     cm = CostModel("h100", reference_model=True, recompute_logprobs=True)
@@ -213,7 +213,7 @@ def test_kv_capacity_limits_concurrent_sequences():
 
 def test_continuous_steps_are_list_scheduling():
     """continuous_steps against a step-by-step simulation of slots taking waiting sequences."""
-    from dynaresize.costmodel import continuous_steps
+    from dynaresize.plan.costmodel import continuous_steps
     rng = np.random.default_rng(3)
     for _ in range(200):
         n, spp, ranks = int(rng.integers(1, 30)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
@@ -287,7 +287,7 @@ KNOWN = {
 def test_calibration_recovers_known_coefficients(tmp_path, capsys):
     """Timelines simulated from known coefficients with 2 % noise on every duration: the fit finds
     every coefficient within 5 %, and the CLI writes a profile that loads back."""
-    from dynaresize.calibrate import calibrate, main
+    from dynaresize.plan.calibrate import calibrate, main
     from dynaresize.sim import SimOptions, setup_from_overrides, simulate
 
     known = HardwareProfile.from_dict({"name": "known", "kind": "fitted", "batching": "sequential",

@@ -13,7 +13,7 @@ from conftest import run_cli
 from test_resize import assert_same_rl, resizes, timeline
 from word_problems import write_word_problems
 
-from dynaresize import tiny_model
+from dynaresize.data import tiny_model
 
 # 5 synchronous iterations (a resumed run may add iterations only without lag), small batches and
 # short responses: the random model rarely ends a response, so most run to the cap.
@@ -81,8 +81,8 @@ def test_dataset_batches_walk_every_row_once_per_epoch(user_files, static_datase
     sample digests do not depend on the split (the static and scripted runs agree, above)."""
     from omegaconf import OmegaConf
 
-    from dynaresize.config import load_config
-    from dynaresize.data import DatasetTask
+    from dynaresize.launch.validate import load_config
+    from dynaresize.data.datasets import DatasetTask
     data, model = user_files
     cfg = load_config(OmegaConf.load(static_dataset_run / "config.yaml"))
     task = DatasetTask(cfg, str(model))
@@ -134,9 +134,10 @@ def test_bad_dataset_or_reward_is_refused_before_any_rank_starts(user_files, sta
     # The same checks in this process (what the launcher runs before starting the ranks).
     from omegaconf import OmegaConf
 
-    from dynaresize.cli import check_inputs
-    from dynaresize.config import ConfigError, load_config
-    from dynaresize.validate import validate
+    from dynaresize.launch.cli import check_inputs
+    from dynaresize.config import ConfigError
+    from dynaresize.launch.validate import load_config
+    from dynaresize.launch.validate import validate
     cases = [({"data": {"max_prompt_length": 8}}, "data.max_prompt_length: 200 prompt(s) are longer than 8"),
              ({"data": {"max_prompt_length": 8, "truncation": "left"}}, None),
              ({"workload": {"length_max": 2000}}, "max_position_embeddings"),
@@ -165,7 +166,7 @@ def test_resumed_dataset_run_continues_the_same_sequence(user_files, static_data
 
 
 def test_parquet_rows_are_the_jsonl_rows(tmp_path):
-    from dynaresize.data import read_rows
+    from dynaresize.data.datasets import read_rows
     write_word_problems(tmp_path / "a.jsonl", n=20, seed=3)
     write_word_problems(tmp_path / "a.parquet", n=20, seed=3, fmt="parquet")
     assert read_rows([str(tmp_path / "a.parquet")]) == read_rows([str(tmp_path / "a.jsonl")])

@@ -7,7 +7,7 @@ train-bound split (1 train rank), where the rollout ranks steal micro-batches in
 dynamic must reach 0.99 x the emulated best static split.
 
 CI runs it at 4 ranks, 4 iterations, half the time scale and the mixture workload only (about 3
-minutes); DYNARESIZE_EMULATION_RANKS=8 runs conf/experiment/emulated8.yaml as written on both
+minutes); DYNARESIZE_EMULATION_RANKS=8 runs dynaresize/conf/experiment/emulated8.yaml as written on both
 workloads (the README's figures)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-import analysis
+from dynaresize import analysis
 from conftest import run_cli
 from dynaresize.sim import setup_from_overrides
 from dynaresize.sim import simulate as simulate_setup

@@ -1,4 +1,4 @@
-"""The rollout engine contract (dynaresize/rollout/base.py), one suite for every engine.
+"""The rollout engine contract (dynaresize/runtime/rollout/base.py), one suite for every engine.
 
 The torch engine runs in the main suite; the vLLM engine runs in the vLLM stage (tests/run_vllm.sh,
 `pytest -m vllm`), with a 3-rank end-to-end test of rollout=vllm. Each test starts by loading the
@@ -18,9 +18,9 @@ import torch
 
 from conftest import ROOT, _env
 from dynaresize.config import ModelConfig, RolloutConfig, WorkloadConfig
-from dynaresize.model import BOS_ID, EOS_ID, load_model, prepare_checkpoint, trainable_parameters
-from dynaresize.rollout.base import Generation, GroupRequest, make_engine, resume
-from dynaresize.workload import DIGIT_IDS, EQUALS_ID, Prompt, make_batch
+from dynaresize.data.model import BOS_ID, EOS_ID, load_model, prepare_checkpoint, trainable_parameters
+from dynaresize.runtime.rollout.base import Generation, GroupRequest, make_engine, resume
+from dynaresize.data.workload import DIGIT_IDS, EQUALS_ID, Prompt, make_batch
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "mpi"))
 from vllm_scenarios import hf_greedy  # noqa: E402

@@ -4,7 +4,7 @@
 exit non-zero soon after, and the launcher names that rank and what it was doing, not a peer that
 called MPI_Abort after it. The rank status file is replaced atomically, so a reader never finds it
 empty. A rank is killed by the fault-injection hook of the status file
-(dynaresize.launch.failure.KILL_AT_STATUS_ENV): it SIGKILLs itself right after it writes the status
+(dynaresize.runtime.status.KILL_AT_STATUS_ENV): it SIGKILLs itself right after it writes the status
 the test names, so what it was doing is known.
 
 8 (crashed timelines): a run killed with SIGKILL (every process of it, launcher included) leaves a
@@ -44,7 +44,7 @@ EXIT_AFTER_KILL_S = 30     # a job must end this soon after one of its ranks was
 
 
 def cli(run_dir, *overrides) -> list[str]:
-    return [sys.executable, "-m", "dynaresize.cli", f"hydra.run.dir={run_dir}", *COMMON, *overrides]
+    return [sys.executable, "-m", "dynaresize.launch.cli", f"hydra.run.dir={run_dir}", *COMMON, *overrides]
 
 
 def descendants(pid: int) -> list[int]:
@@ -213,7 +213,7 @@ def test_killed_rank_is_named_with_its_operation(jobs, name):
 def test_status_file_is_never_read_empty(tmp_path):
     """The status writer (Job.set_status calls it: the kill tests above depend on that) rewrites
     the file thousands of times while another process reads it."""
-    from dynaresize.launch.failure import write_status
+    from dynaresize.runtime.status import write_status
     path = tmp_path / ".ranks" / "rank-00003"
     stop = tmp_path / "stop"
     texts = ["train (iteration 7, batch 6, 2T/2R)", "weight_sync (iteration 7, 2T/2R, receiving)"]
@@ -265,7 +265,7 @@ def test_killed_job_timeline_opens_with_plain_h5py(jobs):
         evented = set(f["events"]["iteration"].tolist())
     assert set(done) <= iterations, (done, sorted(iterations))
     assert iterations <= sampled and iterations <= evented       # a row only with its data
-    proc = subprocess.run([sys.executable, "-m", "analysis.cli", str(r["run_dir"]), "--no-gantt", "--no-trace"],
+    proc = subprocess.run([sys.executable, "-m", "dynaresize.analysis.cli", str(r["run_dir"]), "--no-gantt", "--no-trace"],
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (r["run_dir"] / "report" / "summary.json").exists()
@@ -345,7 +345,8 @@ def test_sigterm_inside_a_flush_ends_the_writer_after_the_file_is_closed(tmp_pat
 def test_blame_goes_to_the_first_rank_to_end_not_to_the_peer_that_aborted(tmp_path):
     """What mpiexec printed when a rank killed in training lost the race to a peer's MPI_Abort
     (no 'exited on signal' line), with the order in which the launcher saw the ranks end."""
-    from dynaresize.launch.failure import explain_failure, status_path, write_status
+    from dynaresize.launch.failure import explain_failure
+    from dynaresize.runtime.status import status_path, write_status
     run_dir = str(tmp_path)
     doing = ["train (iteration 2, batch 1, 2T/2R)"] * 2 + ["rollout (iteration 2, batch 2, 2T/2R)"] * 2
     for rank, text in enumerate(doing):

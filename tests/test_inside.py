@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from dynaresize.costmodel import CostModel
-from dynaresize.prediction import IterationModel, Lengths
-from dynaresize.shapes import batch_shape
+from dynaresize.plan.costmodel import CostModel
+from dynaresize.plan.prediction import IterationModel, Lengths
+from dynaresize.data.shapes import batch_shape
 from dynaresize.sim import inside
 from dynaresize.sim.config import prepare
 from dynaresize.sim.suite import compose_base
@@ -91,7 +91,7 @@ def test_estimate_lies_between_the_oracle_and_the_bound(tmp_path):
     oracle = sum(min(model.iteration(g, t, k).total for k in model.candidates) for g, t in its)
     assert row["oracle_s"] == pytest.approx(oracle, rel=1e-12)
     # ... and the simulator's oracle run takes as long, iteration by iteration (within 1 %)
-    import analysis
+    from dynaresize import analysis
     from dynaresize.sim.core import Simulator
     from dynaresize.sim.suite import run_specs
     tl = analysis.load_timeline(Simulator(prepare(run_specs(spec)["oracle"]), str(tmp_path)).run())

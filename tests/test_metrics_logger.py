@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from analysis.metrics import iteration_role_bubbles
-from dynaresize.metrics_logger import MetricsLogger, check_backends, iteration_metrics
+from dynaresize.analysis.metrics import iteration_role_bubbles
+from dynaresize.runtime.metrics_logger import MetricsLogger, check_backends, iteration_metrics
 from dynaresize.timeline.schema import BACKGROUND, CRITICAL, NOT_A_SWITCH
-from dynaresize.types import Sample
+from dynaresize.runtime.types import Sample
 
 START, END = 10.0, 20.0
 ROLES = {0: "train", 1: "train", 2: "rollout", 3: "rollout"}

@@ -15,10 +15,10 @@ from test_resize import assert_same_rl, timeline
 from test_stealing import steals
 
 from dynaresize.config import ModelConfig, RolloutConfig, WorkloadConfig
-from dynaresize.migration import TailRoster, tail_schedule
-from dynaresize.model import prepare_checkpoint
-from dynaresize.rollout.base import GroupRequest, make_engine, resume
-from dynaresize.workload import make_batch
+from dynaresize.plan.migration import TailRoster, tail_schedule
+from dynaresize.data.model import prepare_checkpoint
+from dynaresize.runtime.rollout.base import GroupRequest, make_engine, resume
+from dynaresize.data.workload import make_batch
 
 
 def test_the_first_ranks_at_their_cut_are_the_tail_ranks():
@@ -117,7 +117,7 @@ def test_a_tail_rank_admits_what_arrives_into_its_running_batch():
     at once cost what one rollout rank takes for them; a later arrival joins the running batch
     (it ends before the first sequence would have ended, then the second had to start) and
     lengthens the steps of those running beside it; tail_schedule deals the tickets in cut order."""
-    from dynaresize.costmodel import CostModel
+    from dynaresize.plan.costmodel import CostModel
     from dynaresize.sim import setup_from_overrides
     setup = setup_from_overrides(["+experiment=suite", "workload=stationary", "hardware=h100"])
     cm = CostModel.for_job(setup.cfg, setup.profile)
@@ -147,7 +147,7 @@ def test_simulated_migration_is_the_policys_prediction(tmp_path):
     """The simulator's rollout stage with tail migration is IterationModel's (the dynamic policy's
     prediction): every rank to its cut, a `migrate` event where it hands off, one `rollout` event
     per tail rank, tokens counted once."""
-    from dynaresize.prediction import Lengths
+    from dynaresize.plan.prediction import Lengths
     from dynaresize.sim import setup_from_overrides, simulate
     from dynaresize.sim.core import Simulator
     from dynaresize.timeline.reader import read_arrays
@@ -182,8 +182,8 @@ def test_auto_migration_is_chosen_from_the_cost_model(tmp_path):
     is plain dynamic, to the last event); a run asked to take any migration short of doubling the
     iteration (policy.dead_band -1) takes the predicted best and simulates its hand-offs; the
     torch engine's sequential batching never migrates."""
-    from dynaresize.costmodel import CostModel
-    from dynaresize.policy import MIGRATION_CHOICES, choose_migration
+    from dynaresize.plan.costmodel import CostModel
+    from dynaresize.plan.policy import MIGRATION_CHOICES, choose_migration
     from dynaresize.sim import setup_from_overrides, simulate
     from dynaresize.timeline.reader import read_arrays
     base = ["+experiment=suite", "workload=stationary", "hardware=h100", "cluster.ranks=64", "run.iterations=4",

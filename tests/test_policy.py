@@ -9,14 +9,14 @@ import json
 import numpy as np
 import pytest
 
-from dynaresize.config import load_config
-from dynaresize.costmodel import CostModel
-from dynaresize.hardware import load_profile
-from dynaresize.policy import DynamicPolicy, IterationStats, ScriptedPolicy, make_policy, steps_to_search
-from dynaresize.prediction import IterationModel, LengthForecast, Lengths, uncensor, workload_sample
-from dynaresize.roles import RoleTable
-from dynaresize.shapes import batch_shape
-from dynaresize.switchplan import critical_time, plan
+from dynaresize.launch.validate import load_config
+from dynaresize.plan.costmodel import CostModel
+from dynaresize.plan.hardware import load_profile
+from dynaresize.plan.policy import DynamicPolicy, IterationStats, ScriptedPolicy, make_policy, steps_to_search
+from dynaresize.plan.prediction import IterationModel, LengthForecast, Lengths, uncensor, workload_sample
+from dynaresize.plan.roles import RoleTable
+from dynaresize.data.shapes import batch_shape
+from dynaresize.plan.switchplan import critical_time, plan
 
 WORLD = 16
 PROMPTS, SPP = 64, 8

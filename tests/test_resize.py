@@ -78,7 +78,7 @@ def test_scripted_resizes_preserve_tokens_and_weights(static_run, tmp_path, caps
 
     # One switch plan: the runtime executed, and the simulator priced, exactly the operations of
     # the plan replayed from the run's table history (names, ranks, critical or background).
-    from analysis.plan import switch_plans
+    from dynaresize.analysis.plan import switch_plans
     from dynaresize.sim import setup_from_overrides, simulate
     plans = switch_plans(run)
     assert sorted(plans) == list(range(1, 9))
@@ -90,7 +90,7 @@ def test_scripted_resizes_preserve_tokens_and_weights(static_run, tmp_path, caps
     for tl in (events, timeline(tmp_path / "sim")[0]):                   # the plan's bytes, as moved and priced
         loads = tl["events"][tl["events"]["name"] == b"weight_load"]
         assert set(loads["bytes"]) == {4 * int(attrs["parameters"])}
-    from analysis.cli import main as analyze
+    from dynaresize.analysis.cli import main as analyze
     capsys.readouterr()
     assert analyze(["plan", str(run), "1"]) == 0                         # dynaresize-analyze plan RUN 1
     printed = capsys.readouterr().out

@@ -1,11 +1,11 @@
-"""dynaresize.rewards: the built-in rewards, final-answer extraction, and loading a reward by path."""
+"""dynaresize.data.rewards: the built-in rewards, final-answer extraction, and loading a reward by path."""
 from __future__ import annotations
 
 import functools
 
 import pytest
 
-from dynaresize.rewards import answers_equal, digit_match, extract_final_answer, gsm8k, load_reward
+from dynaresize.data.rewards import answers_equal, digit_match, extract_final_answer, gsm8k, load_reward
 from word_problems import word_problems
 
 DONE, CUT = {"finished": True}, {"finished": False}
@@ -102,16 +102,16 @@ def test_answers_equal_text_fallback():
 
 
 def test_load_reward():
-    assert load_reward("dynaresize.rewards.gsm8k", {}) is gsm8k
-    fn = load_reward("dynaresize.rewards.gsm8k", {"format_score": 0.25})
+    assert load_reward("dynaresize.data.rewards.gsm8k", {}) is gsm8k
+    fn = load_reward("dynaresize.data.rewards.gsm8k", {"format_score": 0.25})
     assert isinstance(fn, functools.partial)
     assert fn("q", "41", "42", DONE) == 0.25 and fn("q", "42", "42", DONE) == 1.0
 
 
 @pytest.mark.parametrize("target, reason", [
     ("no_such_pkg.rewards.fn", "no_such_pkg"),
-    ("dynaresize.rewards.no_such_fn", "no_such_fn"),
-    ("dynaresize.rewards._NUMBER", "non-callable"),
+    ("dynaresize.data.rewards.no_such_fn", "no_such_fn"),
+    ("dynaresize.data.rewards._NUMBER", "non-callable"),
     ("gsm8k", "not a dotted path"),
 ])
 def test_load_reward_errors(target, reason):
@@ -119,9 +119,9 @@ def test_load_reward_errors(target, reason):
         load_reward(target, {})
     msg = str(e.value)
     assert "reward._target_" in msg and target in msg and reason in msg
-    assert "importable on every rank" in msg and "dynaresize.rewards.gsm8k" in msg and "PYTHONPATH" in msg
+    assert "importable on every rank" in msg and "dynaresize.data.rewards.gsm8k" in msg and "PYTHONPATH" in msg
 
 
 def test_load_reward_bad_kwargs():
     with pytest.raises(ValueError, match=r"reward.kwargs: .*format_scor"):
-        load_reward("dynaresize.rewards.gsm8k", {"format_scor": 0.1})
+        load_reward("dynaresize.data.rewards.gsm8k", {"format_scor": 0.1})

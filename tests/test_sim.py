@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from dynaresize.config import ConfigError, WorkloadConfig
-from dynaresize.costmodel import CostModel
+from dynaresize.plan.costmodel import CostModel
 from dynaresize.sim import Simulator, compose, prepare, setup_from_overrides, simulate
 from dynaresize.timeline import schema
 
@@ -54,8 +54,8 @@ def events(data, name=None, it=None):
 def test_simulated_samples_are_the_runtimes_batches(tmp_path):
     """The samples a simulation records are make_batch's prompts and hidden response lengths, on the
     ranks placement.place_prompts gives them (one implementation for both)."""
-    from dynaresize.placement import place_prompts
-    from dynaresize.workload import make_batch
+    from dynaresize.plan.placement import place_prompts
+    from dynaresize.data.workload import make_batch
     over = ["run.iterations=3", "rollout.prompts_per_batch=10", "workload.sample_sigma=0.4",
             "workload.prompt_median=20", "workload.prompt_sigma=0.5", "workload.prompt_max=40",
             "model.max_position=300"]
@@ -74,7 +74,7 @@ def test_simulated_samples_are_the_runtimes_batches(tmp_path):
 # --- the timeline -------------------------------------------------------------------------------
 
 def test_default_config_simulates_and_passes_through_analysis(tmp_path):
-    import analysis
+    from dynaresize import analysis
     path = run(tmp_path)
     tl = analysis.load_timeline(path)
     m = analysis.run_metrics(tl)
@@ -187,7 +187,7 @@ def test_switch_plan_critical_and_background(tmp_path):
 
 
 def test_colocated_switches_engine_memory_every_iteration(tmp_path):
-    import analysis
+    from dynaresize import analysis
     path = run(tmp_path, "c", "policy=colocated", "run.max_lag=0", "run.iterations=3")
     attrs, data = read(path)
     for it in range(3):
@@ -209,7 +209,7 @@ def test_dynamic_policy_decides_on_simulated_stage_times(tmp_path):
     its = data["iterations"]
     assert its["train_ranks"][-2] < 6
     # every decision predicted the next iteration's time; the analysis compares it with the measured
-    import analysis
+    from dynaresize import analysis
     tl = analysis.load_timeline(tmp_path / "d")
     pred = analysis.predictions(tl)
     assert len(pred) == len(its) - 1 and np.isfinite(pred["error"]).all()
@@ -220,7 +220,7 @@ def test_dynamic_policy_decides_on_simulated_stage_times(tmp_path):
 
 
 def test_oracle_bounds_every_static_split(tmp_path):
-    import analysis
+    from dynaresize import analysis
     common = ["cluster.ranks=6", "run.iterations=12", "rollout.prompts_per_batch=12", "workload.length_growth=0.2"]
     times = {}
     for k in range(1, 6):
@@ -244,7 +244,7 @@ def test_the_expected_oracle_never_reads_the_lengths_it_is_about_to_generate(tmp
     """oracle_expected prices batch b from samples of the workload at b, not from batch b's hidden
     lengths: changing them changes the oracle's prediction, not its own. The batch it trains (b - 1,
     max_lag 1) was generated already, and it does use that one."""
-    from dynaresize.shapes import BatchShape
+    from dynaresize.data.shapes import BatchShape
     setup = setup_from_overrides(baseline(["cluster.ranks=6", "rollout.prompts_per_batch=12", "policy.name=oracle"]))
     sim = Simulator(setup, tmp_path / "sim")
     expected = setup_from_overrides(baseline(["cluster.ranks=6", "rollout.prompts_per_batch=12",
@@ -271,7 +271,7 @@ def test_the_expected_oracle_never_reads_the_lengths_it_is_about_to_generate(tmp
 
 
 def test_jobconfig_api_and_config_errors(tmp_path):
-    from dynaresize.config import load_config
+    from dynaresize.launch.validate import load_config
     cfg = load_config({"cluster": {"ranks": 16}, "policy": {"train_ranks": 8},
                        "rollout": {"prompts_per_batch": 64}, "run": {"iterations": 3}})
     path = simulate(cfg, tmp_path / "api", hardware="h100")
@@ -294,7 +294,7 @@ def test_jobconfig_api_and_config_errors(tmp_path):
 
 
 def test_command_line_typos_and_types_exit_2(tmp_path):
-    """`dynaresize-sim` checks the command line as `dynaresize` does (dynaresize.cli.check_command_line,
+    """`dynaresize-sim` checks the command line as `dynaresize` does (dynaresize.launch.cli.check_command_line,
     with the simulator's schema): a typo or a wrong type exits 2 naming the key, no traceback."""
     for override, key in (("trainer.lrr=1", "trainer.lrr"), ("sim.units=many", "sim.units")):
         bad = subprocess.run([sys.executable, "-m", "dynaresize.sim.cli", f"hydra.run.dir={tmp_path / 'x'}", override],
@@ -394,7 +394,7 @@ def test_suite_writes_the_table_for_each_workload(tmp_path):
     assert (summary["turns"] >= 0).all() and (summary["resizes"] >= summary["turns"]).all()
     assert (summary["decide_s"] > 0).all() and ((summary["decide_share"] > 0) & (summary["decide_share"] < 1)).all()
     assert ((summary["prediction_error"] > 0) & (summary["prediction_error"] < 1)).all()
-    import analysis       # the dynamic run's own error, as `dynaresize-analyze` gives it
+    from dynaresize import analysis       # the dynamic run's own error, as `dynaresize-analyze` gives it
     for w, error in zip(summary["workload"], summary["prediction_error"]):
         tl = analysis.load_timeline(out / "h100-16" / w / "runs" / "dynamic")
         assert error == pytest.approx(analysis.predictions(tl)["error"].abs().median(), rel=1e-12)

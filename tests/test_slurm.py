@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 import pytest
 
-import analysis
+from dynaresize import analysis
 from conftest import ROOT, run_cli
 from test_resize import assert_same_rl, timeline
 
@@ -87,7 +87,7 @@ def test_two_node_resizes_move_training_state_over_the_network_exactly(tmp_path)
 
 def test_hydra_multirun_on_slurm_makes_one_job_per_point(tmp_path):
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "dynaresize.cli", "-m", "hydra/launcher=submitit_slurm",
+    cmd = [sys.executable, "-m", "dynaresize.launch.cli", "-m", "hydra/launcher=submitit_slurm",
            "policy=static", "policy.train_ranks=1,2", "run.iterations=2", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -129,7 +129,7 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
     uninterrupted = concurrent.futures.ThreadPoolExecutor(1).submit(run_cli, reference, *common)
 
     run = tmp_path / "slurm"
-    cmd = [sys.executable, "-m", "dynaresize.cli", f"hydra.run.dir={run}", *common, *TWO_NODES,
+    cmd = [sys.executable, "-m", "dynaresize.launch.cli", f"hydra.run.dir={run}", *common, *TWO_NODES,
            "run.checkpoint_every=1", "cluster.max_requeues=2"]
     out = open(tmp_path / "follow.log", "w+")
     follower = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)

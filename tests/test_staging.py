@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from dynaresize.staging import (StagingError, make_private_dir, read_range, read_shard, shard_path,
+from dynaresize.runtime.staging import (StagingError, make_private_dir, read_range, read_shard, shard_path,
                                 wait_for, write_shard)
-from dynaresize.switchplan import shard_range
-from dynaresize.types import ShardState
+from dynaresize.plan.switchplan import shard_range
+from dynaresize.runtime.types import ShardState
 
 RUN = "0123456789abcdef"
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli
 from test_resize import assert_same_rl, timeline
 
-from dynaresize.stealing import claim_schedule, queue_order, worth_joining
+from dynaresize.plan.stealing import claim_schedule, queue_order, worth_joining
 
 
 def steals(run_dir) -> np.ndarray:
@@ -129,7 +129,7 @@ def test_colocated_work_stealing_is_refused(tmp_path):
 def test_simulated_stealing_is_the_policys_prediction(tmp_path, lag):
     """The simulator's stolen micro-batches and train stage are IterationModel's (the dynamic
     policy's prediction), and a train-bound split gets faster."""
-    from dynaresize.prediction import Lengths
+    from dynaresize.plan.prediction import Lengths
     from dynaresize.sim import setup_from_overrides, simulate
     from dynaresize.sim.core import Simulator
     common = ["+experiment=suite", "workload=deepscaler", "cluster.ranks=64", "run.iterations=6",

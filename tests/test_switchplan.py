@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dynaresize import switchplan
-from dynaresize.roles import RoleTable
+from dynaresize.plan import switchplan
+from dynaresize.plan.roles import RoleTable
 
 NUMEL = 1000
 

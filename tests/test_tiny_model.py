@@ -1,4 +1,4 @@
-"""dynaresize.tiny_model: a BPE tokenizer trained here and a tiny model that loads with Auto*."""
+"""dynaresize.data.tiny_model: a BPE tokenizer trained here and a tiny model that loads with Auto*."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from dynaresize.tiny_model import IM_END, IM_START, build, main, train_bpe_tokenizer
+from dynaresize.data.tiny_model import IM_END, IM_START, build, main, train_bpe_tokenizer
 from word_problems import word_problems, write_word_problems
 
 CHAT = [{"role": "system", "content": "Solve it."}, {"role": "user", "content": "What is 2 + 3?"}]

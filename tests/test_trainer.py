@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dynaresize.config import ModelConfig, TrainerConfig
-from dynaresize.model import BOS_ID, EOS_ID, load_model, prepare_checkpoint
-from dynaresize.placement import assign_micro_batches
-from dynaresize.trainer import ShardedTrainer, micro_batch_tokens
-from dynaresize.types import Sample
+from dynaresize.data.model import BOS_ID, EOS_ID, load_model, prepare_checkpoint
+from dynaresize.plan.placement import assign_micro_batches
+from dynaresize.runtime.trainer import ShardedTrainer, micro_batch_tokens
+from dynaresize.runtime.types import Sample
 
 TEMPERATURE = 1.0
 RESPONSE_LENS = [2, 3, 5, 40, 4, 6, 3, 25, 8, 2, 12, 3, 60, 5, 4, 7]   # long-tailed, 4 prompts x 4

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from dynaresize.config import ConfigError, WorkloadConfig, load_config
-from dynaresize.placement import place_prompts, placement_lists
-from dynaresize.roles import Role, RoleTable
-from dynaresize.rollout.torch_engine import sample_token
-from dynaresize.shapes import batch_shape, generated_prompts, response_cap
-from dynaresize.workload import make_batch, sample_seed
+from dynaresize.config import ConfigError, WorkloadConfig
+from dynaresize.launch.validate import load_config
+from dynaresize.plan.placement import place_prompts, placement_lists
+from dynaresize.plan.roles import Role, RoleTable
+from dynaresize.runtime.rollout.torch_engine import sample_token
+from dynaresize.data.shapes import batch_shape, generated_prompts, response_cap
+from dynaresize.data.workload import make_batch, sample_seed
 
 
 def test_role_table_blocks_and_validation():
@@ -98,9 +99,9 @@ def test_builtin_task_is_scored_through_the_reward_interface():
     """A digit task's prompt carries its text and answer; the Scorer decodes the response tokens
     and calls digit_match as it would call a user's reward."""
     from dynaresize.config import RewardConfig
-    from dynaresize.model import EOS_ID
-    from dynaresize.rewards import Scorer
-    from dynaresize.workload import DIGIT_IDS, DigitTask
+    from dynaresize.data.model import EOS_ID
+    from dynaresize.data.rewards import Scorer
+    from dynaresize.data.workload import DIGIT_IDS, DigitTask
     p = make_batch(WorkloadConfig(task="reverse"), 0, 0, 1, 2)[0]
     assert p.text.endswith("=") and p.answer.isdigit() and p.answer == p.text[:-1][::-1]
     score = Scorer(RewardConfig(), DigitTask(WorkloadConfig()).decode, [EOS_ID])

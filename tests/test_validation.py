@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from dynaresize.config import load_config
+from dynaresize.launch.validate import load_config
 
 TIMEOUT = 60
 
@@ -21,7 +21,7 @@ TIMEOUT = 60
 def dynaresize(*args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
     """`dynaresize ARGS` (options before the overrides, as Hydra's parser wants them). Refusals need
     no MPI environment (conftest.run_cli's): nothing is launched."""
-    return subprocess.run([sys.executable, "-m", "dynaresize.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "dynaresize.launch.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -128,7 +128,7 @@ def test_valid_values_at_the_edges_pass(tmp_path, hf_checkpoint):
     from hydra import compose, initialize_config_dir
 
     from dynaresize import CONF_DIR
-    from dynaresize.cli import check_command_line
+    from dynaresize.launch.cli import check_command_line
 
     valid = ["trainer.betas=[0.0,0.5]", "trainer.eps=1e-6", "trainer.weight_decay=0", "trainer.grad_clip=0",
              "workload.length_growth=-0.5", "model.dtype=bfloat16", "policy=scripted",

@@ -1,9 +1,6 @@
 """Explain a failed job: which rank failed first, and what it was doing (from its status file).
 
-Every rank keeps a one-line status file, RUN_DIR/.ranks/rank-NNNNN, saying what it is doing
-(`Job.set_status` -> `write_status`). The file is replaced atomically (written to a temporary file
-in the same directory, then `os.replace`d over the old one), so a reader finds the old text or the
-new one, never an empty or half-written file.
+Every rank keeps a one-line status file saying what it is doing (dynaresize.runtime.status).
 
 When one rank dies the others follow: a peer in a collective with it gets a connection error,
 prints it and calls MPI_Abort, and mpiexec kills the rest. Which of these events mpiexec reports is
@@ -17,17 +14,10 @@ from __future__ import annotations
 import os
 import re
 import select
-import signal
 import threading
 import time
 
-STATUS_DIR = ".ranks"
-# Fault injection for tests: "RANK:TEXT" makes rank RANK kill itself (SIGKILL) right after it sets a
-# status that starts with TEXT (e.g. "1:weight_sync", "0:train (iteration 2"). The status is on disk
-# first, so the launcher's report can be checked against it.
-KILL_AT_STATUS_ENV = "DYNARESIZE_KILL_AT_STATUS"
-# The status of a rank that has done its work (Job.finish): it ends normally, never a cause.
-FINISHED = "finished"
+from ..runtime.status import FINISHED, rank_status
 
 # How launchers report a rank that died: Open MPI's mpiexec/prterun, and srun.
 DEATH_PATTERNS = (
@@ -35,60 +25,8 @@ DEATH_PATTERNS = (
     re.compile(r"srun: error: \S+: task (?P<rank>\d+): (?P<signal>[A-Z][a-z]+)"),
 )
 ABORT_PATTERN = re.compile(r"MPI_ABORT was invoked on rank (?P<rank>\d+)")
-# What a rank prints before it aborts the job (dynaresize/worker.py).
+# What a rank prints before it aborts the job (dynaresize/runtime/worker.py).
 FAILED_PATTERN = re.compile(r"\[dynaresize\] rank (?P<rank>\d+) failed: (?P<error>.*)")
-
-
-# --- status files ------------------------------------------------------------------------------
-def status_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, STATUS_DIR, f"rank-{rank:05d}")
-
-
-def write_status(path: str, text: str, rank: int | None = None) -> None:
-    """Replace the status file `path` with `text`, atomically (readers never see it empty)."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    # Unique to this process and thread, so concurrent writers never share a temporary file.
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    spec = os.environ.get(KILL_AT_STATUS_ENV)
-    if spec and rank is not None:
-        who, _, prefix = spec.partition(":")
-        if who == str(rank) and text.startswith(prefix):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def rank_status(run_dir: str, rank: int) -> str | None:
-    try:
-        with open(status_path(run_dir, rank)) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def clear_statuses(run_dir: str) -> None:
-    """Remove the status files of an earlier run in `run_dir` (a rank that dies before it writes
-    one must not be reported as doing what the earlier run's rank did)."""
-    directory = os.path.join(run_dir, STATUS_DIR)
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith("rank-") or name.endswith(".tmp"):
-            try:
-                os.remove(os.path.join(directory, name))
-            except OSError:
-                pass
 
 
 # --- watching the ranks' processes -------------------------------------------------------------

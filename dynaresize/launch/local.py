@@ -9,10 +9,11 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from ..checkpoint import latest
+from ..runtime.checkpoint import latest
 from ..config import JobConfig
-from ..staging import RUN_ID_ENV, job_staging_dir, new_run_id, remove_dir
-from .failure import RankWatch, clear_statuses, explain_failure
+from ..runtime.staging import RUN_ID_ENV, job_staging_dir, new_run_id, remove_dir
+from ..runtime.status import clear_statuses
+from .failure import RankWatch, explain_failure
 
 
 def find_mpiexec(name: str) -> str:
@@ -116,7 +117,7 @@ def mpiexec_command(ranks: int, mpiexec: str = "mpiexec") -> list[str]:
 
 def launch(cfg: JobConfig, config_path: str) -> int:
     cmd = mpiexec_command(cfg.cluster.ranks, cfg.cluster.mpiexec)
-    cmd += list(cfg.cluster.mpiexec_args) + [sys.executable, "-m", "dynaresize.worker", config_path]
+    cmd += list(cfg.cluster.mpiexec_args) + [sys.executable, "-m", "dynaresize.runtime.worker", config_path]
     print(f"[dynaresize] starting {cfg.cluster.ranks} ranks: {' '.join(cmd)}", flush=True)
     return supervise(cmd, mpi_env(), cfg, ranks_here=cfg.cluster.ranks)
 

@@ -20,7 +20,7 @@ import time
 from ..config import ConfigError, JobConfig
 from ..timeline.reader import TIMELINE_FILE, open_timeline
 from ..timeline.schema import TimelineError
-from .failure import rank_status
+from ..runtime.status import rank_status
 
 
 # States in which a job may still run (a requeued job is PENDING again), and the ends of an
@@ -38,7 +38,7 @@ class RankTask:
         self.cfg = cfg
 
     def __call__(self) -> str:
-        from ..worker import run_rank
+        from ..runtime.worker import run_rank
         run_rank(self.cfg)
         return self.cfg.run.output_dir
 

@@ -14,7 +14,7 @@ def launch(cfg: JobConfig, config_path: str) -> int:
               "use cluster=local here or cluster=slurm to submit", file=sys.stderr)
         return 2
     cmd = ["srun", f"--mpi={cfg.cluster.mpi}", f"--ntasks={cfg.cluster.ranks}", "--kill-on-bad-exit=1",
-           sys.executable, "-m", "dynaresize.worker", config_path]
+           sys.executable, "-m", "dynaresize.runtime.worker", config_path]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PMIX_MCA_psec=os.environ.get("PMIX_MCA_psec", "native"))
     print(f"[dynaresize] starting {cfg.cluster.ranks} ranks in job {os.environ['SLURM_JOB_ID']}: "
           f"{' '.join(cmd)}", flush=True)

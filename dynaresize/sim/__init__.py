@@ -1,5 +1,5 @@
 """Cluster-scale simulation of DynaResize jobs: the runtime's recipe, workload, placement,
-policies and switch plan, priced by dynaresize.costmodel, written as a timeline.
+policies and switch plan, priced by dynaresize.plan.costmodel, written as a timeline.
 
     from dynaresize.sim import simulate
     path = simulate(cfg)          # cfg: a JobConfig, a composed config, or a SimSetup

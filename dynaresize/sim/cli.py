@@ -5,10 +5,10 @@
     python -m dynaresize.sim.cli -m +experiment=seed_comparison cluster.ranks=64 policy=static 'sim.train_units=range(1,32)'
     dynaresize-sim suite --ranks 64 256 --hardware h100 h200      # the comparison suite (sim/suite.py)
 
-It composes conf/ (the runtime's schema; `hardware` and `sim` are read here, see dynaresize.sim.config),
+It composes dynaresize/conf/ (the runtime's schema; `hardware` and `sim` are read here, see dynaresize.sim.config),
 runs the discrete-event simulation (dynaresize.sim.core) and writes RUN_DIR/timeline.h5 in the
-runtime's schema (file attribute mode="simulate"): `python -m analysis.cli RUN_DIR` and
-`python -m analysis.cli compare MULTIRUN_DIR` read it unchanged. Exit status 2 for a bad config.
+runtime's schema (file attribute mode="simulate"): `python -m dynaresize.analysis.cli RUN_DIR` and
+`python -m dynaresize.analysis.cli compare MULTIRUN_DIR` read it unchanged. Exit status 2 for a bad config.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "inside":
         from .inside import main as inside_main
         sys.exit(inside_main(sys.argv[2:]))
-    from ..cli import check_command_line
+    from ..launch.cli import check_command_line
     problem = check_command_line(sys.argv[1:], validate=prepare)   # exit 2 for typos, types and bad sweeps
     if problem:
         print(f"dynaresize-sim: {problem}", file=sys.stderr)

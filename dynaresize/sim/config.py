@@ -1,14 +1,14 @@
 """The simulator's configuration: the job's own schema and validation, in run.mode=simulate.
 
-The simulator composes the same conf/ tree as `dynaresize` (same schema, same groups, same
+The simulator composes the same dynaresize/conf/ tree as `dynaresize` (same schema, same groups, same
 overrides). Two sections of the schema are read by the simulator only:
 
-- `hardware`: the hardware profile (conf/hardware/NAME.yaml; select with `+hardware=h100`, or an
+- `hardware`: the hardware profile (dynaresize/conf/hardware/NAME.yaml; select with `+hardware=h100`, or an
   experiment's defaults). Absent: the fitted CPU profile of this setting, `cpu_tiny`.
 - `sim`: options of the simulation itself (config.SimOptions).
 
 `prepare` applies the `sim` knobs that scale with the allocation, then validates the whole config
-with dynaresize.config.load_config, exactly as the runtime does, in run.mode=simulate (which admits
+with dynaresize.launch.validate.load_config, exactly as the runtime does, in run.mode=simulate (which admits
 the simulator-only policies, such as the oracle).
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ..config import (ConfigError, JobConfig, SimOptions, load_config, omegaconf_problem, register_schema,
-                      to_yaml)
-from ..hardware import HardwareProfile, ProfileError, job_profile
+from ..config import ConfigError, JobConfig, SimOptions, omegaconf_problem, register_schema, to_yaml
+from ..launch.validate import load_config
+from ..plan.hardware import HardwareProfile, ProfileError, job_profile
 
 
 @dataclass
@@ -77,7 +77,7 @@ def prepare(raw: DictConfig | dict, hardware: Any = None, options: SimOptions | 
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """Compose conf/ with Hydra's compose API (for tests and tools)."""
+    """Compose dynaresize/conf/ with Hydra's compose API (for tests and tools)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 

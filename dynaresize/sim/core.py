@@ -14,10 +14,10 @@ simulation advances one iteration at a time with one clock per rank, as numpy ar
     end       background ops settled, gather, decide (the same policy objects as the runtime)
 
 Collectives end at the same time on every member (the last arrival plus the operation's cost).
-Batches are dynaresize.shapes' (the runtime's prompts and hidden response lengths; responses end
+Batches are dynaresize.data.shapes' (the runtime's prompts and hidden response lengths; responses end
 at their hidden length, as the runtime's engines with rollout.ignore_eos). Placement is the
-runtime's (dynaresize.placement): it never reads a response's length. The output is a timeline in
-the runtime's schema, written with TimelineWriter, so `python -m analysis.cli` reads it unchanged. Deterministic: a function of the
+runtime's (dynaresize.plan.placement): it never reads a response's length. The output is a timeline in
+the runtime's schema, written with TimelineWriter, so `python -m dynaresize.analysis.cli` reads it unchanged. Deterministic: a function of the
 config (noise included, seeded by run.seed).
 
 Over 400 lines on purpose: it is the simulator's half of loop.Stages, one method per stage of the
@@ -34,15 +34,15 @@ import time
 import numpy as np
 
 from .. import __version__
-from ..costmodel import CostModel
-from .. import switchplan
+from ..plan.costmodel import CostModel
+from ..plan import switchplan
 from ..loop import run_iterations
-from ..migration import priced_migration, tail_schedule
-from ..placement import place_prompts
-from ..policy import POLICIES, Decision, IterationStats, make_policy, resolve_migration
-from ..prediction import IterationModel, Lengths, Prediction
-from ..roles import RoleTable
-from ..shapes import BatchShape, batch_shape
+from ..plan.migration import priced_migration, tail_schedule
+from ..plan.placement import place_prompts
+from ..plan.policy import POLICIES, Decision, IterationStats, make_policy, resolve_migration
+from ..plan.prediction import IterationModel, Lengths, Prediction
+from ..plan.roles import RoleTable
+from ..data.shapes import BatchShape, batch_shape
 from ..timeline import schema
 from ..timeline.reader import TIMELINE_FILE
 from ..timeline.writer import TimelineWriter
@@ -488,7 +488,7 @@ def simulate(cfg, out_dir: str | os.PathLike | None = None, hardware=None, optio
     out_dir: the run folder (default: cfg.run.output_dir, else the current directory).
     """
     from ..config import JobConfig
-    from ..hardware import job_profile
+    from ..plan.hardware import job_profile
     from .config import prepare
 
     if isinstance(cfg, SimSetup):

@@ -12,7 +12,7 @@ go after that idle time (they never read a response's length before it is genera
   work stealing   a rollout rank with nothing left to generate computes gradients of micro-batches
                   the train ranks have not taken yet.
 
-This module prices both with the cost model (dynaresize.costmodel: continuous batching, the list
+This module prices both with the cost model (dynaresize.plan.costmodel: continuous batching, the list
 schedule of each rank's slots) and gives an UPPER estimate of what they can gain, by being
 generous everywhere it has to choose:
 - a migration costs only its re-prefill (none with `kv_transfer`); a helper joins the train step
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..costmodel import CostModel
-from ..placement import place_prompts, serpentine
-from ..prediction import IterationModel, Lengths, Prediction
+from ..plan.costmodel import CostModel
+from ..plan.placement import place_prompts, serpentine
+from ..plan.prediction import IterationModel, Lengths, Prediction
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ def estimate(spec: dict, grid=GRID, log=None) -> dict:
     """The rows of one workload (a plain config dict, sim.suite.compose_base): per-iteration
     best splits with free switching (the oracle, priced analytically), the same with foresight
     placement, with each mechanism of `grid`, and the bound; total times in seconds."""
-    from ..shapes import batch_shape
+    from ..data.shapes import batch_shape
     from .config import prepare
     from .suite import bound
     setup = prepare(spec)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every workload, e.g. run.iterations=50")
     args = p.parse_intermixed_args(argv)
     from ..config import ConfigError
-    from ..hardware import ProfileError
+    from ..plan.hardware import ProfileError
     problem = unknown_cells(args)
     if problem:
         print(f"dynaresize-sim inside: {problem}", file=sys.stderr)

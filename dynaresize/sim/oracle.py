@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 
-from ..policy import Decision, IterationStats, Policy
-from ..prediction import Lengths, Prediction, workload_sample
+from ..plan.policy import Decision, IterationStats, Policy
+from ..plan.prediction import Lengths, Prediction, workload_sample
 
 # Batches of the workload an expected iteration time averages over. A split's time is floored by
 # the longest sequences of its ranks, so a few samples estimate it with noise of the size of the

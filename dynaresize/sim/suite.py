@@ -5,7 +5,7 @@
     dynaresize-sim suite --ranks 64 --workloads stationary,dapo run.iterations=50
 
 For every (hardware, ranks, workload) it simulates, with the same seed and cost model
-(conf/experiment/suite.yaml plus the workload preset of conf/workload/):
+(dynaresize/conf/experiment/suite.yaml plus the workload preset of dynaresize/conf/workload/):
 
     static, hindsight-best   the best of a sweep over every split (train units 1 .. units-1)
     static, pilot            the split that was best over the first PILOT_ITERATIONS iterations
@@ -13,7 +13,7 @@ For every (hardware, ranks, workload) it simulates, with the same seed and cost 
     colocated                every rank generates, then trains (max_lag 0)
     dynamic                  policy=dynamic
     dynamic + stealing       policy=dynamic with trainer.work_stealing (rollout ranks done generating
-                             compute micro-batches of the train step; dynaresize/stealing.py)
+                             compute micro-batches of the train step; dynaresize/plan/stealing.py)
     oracle, expected lengths the per-iteration best split for the distribution of the lengths it
                              is about to generate (not their sampled values), switching for free:
                              what knowing the workload, but not the future, is worth (sim/oracle.py)
@@ -78,7 +78,7 @@ def run_specs(base: dict) -> dict[str, dict]:
 
 def _simulate(job: tuple[dict, str]) -> dict:
     """Simulate one run and read its metrics back from its timeline (in a worker process)."""
-    import analysis
+    from dynaresize import analysis
 
     from .config import prepare
     from .core import Simulator
@@ -120,8 +120,8 @@ def bound(spec: dict) -> dict:
     """The bound of a run config: per iteration (one step off-policy: the stages overlap)
     max(longest sample decoded alone, (rollout work + train work) / ranks), summed; and the
     generated tokens, for its throughput."""
-    from ..costmodel import CostModel
-    from ..shapes import batch_shape
+    from ..plan.costmodel import CostModel
+    from ..data.shapes import batch_shape
     from .config import prepare
     setup = prepare(spec)
     cfg = setup.cfg
@@ -323,14 +323,14 @@ def write_summary(out: str, summary: list[dict]) -> "object":
 def cell_arguments(p: argparse.ArgumentParser) -> None:
     """The cells of a comparison (hardware x ranks x workloads), as `suite` and `inside` take them."""
     p.add_argument("--ranks", type=int, nargs="+", default=[64], help="allocation sizes (default 64)")
-    p.add_argument("--hardware", nargs="+", default=["h100"], help="profiles of conf/hardware/ (default h100)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated presets of conf/workload/")
+    p.add_argument("--hardware", nargs="+", default=["h100"], help="profiles of dynaresize/conf/hardware/ (default h100)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated presets of dynaresize/conf/workload/")
 
 
 def unknown_cells(args) -> str | None:
     """What is wrong with the cells of `args` (cell_arguments), with the fix; None if nothing."""
     from .. import CONF_DIR
-    from ..hardware import available_profiles
+    from ..plan.hardware import available_profiles
     known = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "workload")) if f.endswith(".yaml"))
     bad = [w for w in args.workloads.split(",") if w and w not in known]
     bad += [h for h in args.hardware if h not in available_profiles()]
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. run.iterations=50")
     args = p.parse_intermixed_args(argv)
     from ..config import ConfigError
-    from ..hardware import ProfileError
+    from ..plan.hardware import ProfileError
     problem = unknown_cells(args)
     if problem:
         print(f"dynaresize-sim suite: {problem}", file=sys.stderr)

@@ -29,10 +29,10 @@ SCHEMA_VERSION = 1
 ROLES = ("train", "rollout", "both", "none")
 
 # Stage names: useful work of an iteration. "steal": a micro-batch of the train step computed by a
-# rank outside the train group (work stealing, dynaresize/stealing.py); "migrate": a rollout rank
-# handing its last sequences to a tail rank (tail migration, dynaresize/migration.py).
+# rank outside the train group (work stealing, dynaresize/plan/stealing.py); "migrate": a rollout rank
+# handing its last sequences to a tail rank (tail migration, dynaresize/plan/migration.py).
 STAGES = ("rollout", "train", "weight_sync", "exchange", "steal", "migrate")
-# Switch operations: the fine-grained plan of one resize (see dynaresize.resize).
+# Switch operations: the fine-grained plan of one resize (see dynaresize.runtime.resize).
 SWITCH_OPS = ("drain", "release", "stage_out", "reshard", "stage_in", "engine_start",
               "weight_load", "group_switch", "commit")
 # Bookkeeping that belongs to neither (start-up, policy decision, checkpoints).

@@ -45,7 +45,7 @@ if REPO not in sys.path:           # run.sh sets PYTHONPATH; this covers a bare 
 
 BUDGET_S = 285                     # the run must end within 5 minutes, with its summary printed
 NCCL_PAIR_TIMEOUT_S = 60           # the 2-rank NCCL attempt of nccl_registry
-H200_PROFILE = os.path.join(REPO, "conf", "hardware", "h200.yaml")
+H200_PROFILE = os.path.join(REPO, "dynaresize", "conf", "hardware", "h200.yaml")
 
 
 def _omegaconf_version() -> str:
@@ -81,7 +81,7 @@ def gb(nbytes: float) -> float:
     return nbytes / 1e9
 
 
-# --- 1. CUDA IPC weight hand-off (dynaresize.rollout.vllm_engine) ------------------------------
+# --- 1. CUDA IPC weight hand-off (dynaresize.runtime.rollout.vllm_engine) ------------------------------
 # Qwen2.5-0.5B (config.json): vocab 151936, hidden 896, 24 layers, 14 heads / 2 KV heads of 64,
 # intermediate 4864, tied embeddings: 494M parameters, 0.99 GB in bf16, 290 tensors.
 QWEN05B = dict(vocab=151936, hidden=896, layers=24, kv_dim=2 * 64, intermediate=4864)
@@ -119,7 +119,7 @@ def _ipc_consumer(conn, device: str) -> None:
     rebuild_cuda_tensor, synchronize); only the final load is replaced by a copy into buffers
     of its own, which it fingerprints."""
     try:
-        from dynaresize.rollout.vllm_engine import WorkerExtension
+        from dynaresize.runtime.rollout.vllm_engine import WorkerExtension
 
         class Consumer(WorkerExtension):
             def __init__(self, buffers):
@@ -160,7 +160,7 @@ def _receive(conn, proc, timeout_s: float):
 def ipc_handoff(device: str, shapes: list, rounds: int = 2) -> dict:
     """Hand `shapes` (random bf16) to a spawned process `rounds` times, with new values each round:
     the first round opens the IPC handles cold, the next ones show a repeated weight update."""
-    from dynaresize.rollout.vllm_engine import _ipc_handles
+    from dynaresize.runtime.rollout.vllm_engine import _ipc_handles
 
     gen = torch.Generator(device=device).manual_seed(0)
     named = [(n, torch.empty(s, dtype=torch.bfloat16, device=device)) for n, s in shapes]
@@ -209,7 +209,7 @@ def checkpoint(device: str) -> str:
     """A Qwen2 checkpoint with random weights, built by the project's helpers: 24M parameters on
     CUDA (enough to see memory move), the tests' tiny default on the CPU."""
     from dynaresize.config import ModelConfig
-    from dynaresize.model import prepare_checkpoint
+    from dynaresize.data.model import prepare_checkpoint
 
     cfg = (ModelConfig(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408)
            if device == "cuda" else ModelConfig())
@@ -220,15 +220,15 @@ def checkpoint(device: str) -> str:
 
 def group_requests(prompts: int = 4, samples: int = 4) -> list:
     from dynaresize.config import WorkloadConfig
-    from dynaresize.rollout.base import GroupRequest
-    from dynaresize.workload import make_batch, sample_seed
+    from dynaresize.runtime.rollout.base import GroupRequest
+    from dynaresize.data.workload import make_batch, sample_seed
 
     return [GroupRequest(p, tuple(sample_seed(1234, 0, p.index, j) for j in range(samples)), p.index * samples)
             for p in make_batch(WorkloadConfig(), 1234, 0, prompts, samples)]
 
 
 def check_torch_engine_release_restore(device: str) -> dict:
-    from dynaresize.rollout.torch_engine import TorchEngine
+    from dynaresize.runtime.rollout.torch_engine import TorchEngine
 
     requests = group_requests()
     engine = TorchEngine(checkpoint(device), dtype="float32", device=device)
@@ -266,8 +266,9 @@ def check_torch_engine_release_restore(device: str) -> dict:
 def check_staging_from_gpu(device: str) -> dict:
     """A ShardState of 3 x 89.5M float32 (1.07 GB) on the GPU, staged to local disk and read back.
     The range starts at an odd offset and ends mid-chunk, as a rank's range of the flat vector does."""
-    from dynaresize.staging import new_run_id, read_range, remove_dir, scratch_root, shard_path, write_shard
-    from dynaresize.types import ShardState
+    from dynaresize.runtime.staging import (new_run_id, read_range, remove_dir, scratch_root, shard_path,
+                                            write_shard)
+    from dynaresize.runtime.types import ShardState
 
     n = 89_478_487 if device == "cuda" else 2_000_003
     lo, version = 1001, 3
@@ -330,8 +331,8 @@ def make_samples() -> list:
     """16 samples of 4 prompts with long-tailed response lengths, as tests/test_trainer.py builds
     them (engine log-probs are placeholder zeros)."""
     import numpy as np
-    from dynaresize.model import BOS_ID, EOS_ID
-    from dynaresize.types import Sample
+    from dynaresize.data.model import BOS_ID, EOS_ID
+    from dynaresize.runtime.types import Sample
 
     rng = np.random.default_rng(0)
     samples = []
@@ -344,8 +345,8 @@ def make_samples() -> list:
 
 def check_trainer_step_cuda(device: str) -> dict:
     from dynaresize.config import TrainerConfig
-    from dynaresize.model import load_model
-    from dynaresize.trainer import ShardedTrainer
+    from dynaresize.data.model import load_model
+    from dynaresize.runtime.trainer import ShardedTrainer
 
     cfg = TrainerConfig()
     samples = make_samples()
@@ -376,7 +377,7 @@ def registry_rank(rank: int, port: int, backend: str) -> None:
     """One rank of a 2-rank world (both on cuda:0 with NCCL): every group of the registry reduces
     a tensor of ones; prints the sums as a RESULT line."""
     import torch.distributed as dist
-    from dynaresize.groups import GroupRegistry
+    from dynaresize.runtime.groups import GroupRegistry
 
     device = "cuda" if backend == "nccl" else "cpu"
     if device == "cuda":
@@ -425,7 +426,7 @@ def run_rank_pair(backend: str) -> tuple[list[int | None], list[str]]:
 def check_nccl_registry(device: str) -> dict:
     """World 1 (no splits: every group is WORLD) in this process, then a 2-rank world in two
     processes on the one GPU, which NCCL is expected to refuse ("Duplicate GPU detected")."""
-    from dynaresize.groups import GroupRegistry
+    from dynaresize.runtime.groups import GroupRegistry
 
     with single_rank_world(device) as dist:
         registry = GroupRegistry(world=1, resize_unit=1)
@@ -455,7 +456,7 @@ def check_nccl_registry(device: str) -> dict:
 
 # --- 6. bf16 matmul and copy ceilings ----------------------------------------------------------
 def profile_figure(key: str) -> float:
-    """A top-level number of conf/hardware/h200.yaml (read as text: no omegaconf/yaml needed)."""
+    """A top-level number of dynaresize/conf/hardware/h200.yaml (read as text: no omegaconf/yaml needed)."""
     with open(H200_PROFILE) as f:
         found = re.search(rf"^{key}:\s*([0-9.eE+-]+)", f.read(), re.M)
     return float(found.group(1))

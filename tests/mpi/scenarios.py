@@ -14,12 +14,12 @@ import traceback
 
 import torch
 
-from dynaresize.comm import ControlPlane
-from dynaresize.config import load_config
-from dynaresize.flat import model_to_flat
-from dynaresize.job import Job
-from dynaresize.model import load_model
-from dynaresize.roles import RoleTable
+from dynaresize.runtime.comm import ControlPlane
+from dynaresize.launch.validate import load_config
+from dynaresize.runtime.flat import model_to_flat
+from dynaresize.runtime.job import Job
+from dynaresize.data.model import load_model
+from dynaresize.plan.roles import RoleTable
 
 
 def job_config(out_dir: str, **sections) -> object:
@@ -90,7 +90,7 @@ def split_training(ctrl: ControlPlane, out_dir: str) -> dict:
 
     import torch.distributed as dist
 
-    from dynaresize.trainer import ShardedTrainer, micro_batch_tokens
+    from dynaresize.runtime.trainer import ShardedTrainer, micro_batch_tokens
 
     job = Job(job_config(out_dir, policy={"train_ranks": 1}, cluster={"ranks": 3}), ctrl)
     # Three batches, generated once by the rollout ranks and handed to everyone.

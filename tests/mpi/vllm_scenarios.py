@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from dynaresize.model import EOS_ID
+from dynaresize.data.model import EOS_ID
 
 
 @torch.no_grad()
@@ -34,10 +34,10 @@ def vllm_sync(ctrl, out_dir: str) -> dict:
     last sequences to the first, which re-prefills and continues them (greedy: the same tokens)."""
     from scenarios import job_config
 
-    from dynaresize.flat import model_to_flat
-    from dynaresize.job import Job
-    from dynaresize.model import load_model
-    from dynaresize.workload import make_batch
+    from dynaresize.runtime.flat import model_to_flat
+    from dynaresize.runtime.job import Job
+    from dynaresize.data.model import load_model
+    from dynaresize.data.workload import make_batch
 
     t0 = time.perf_counter()
     cfg = job_config(out_dir, cluster={"ranks": 3}, policy={"train_ranks": 1},

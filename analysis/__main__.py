@@ -1,6 +1,0 @@
-"""``python -m analysis``: the dynaresize-analyze command line."""
-import sys
-
-from .cli import main
-
-sys.exit(main())

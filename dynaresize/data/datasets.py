@@ -1,0 +1,201 @@
+"""Your prompts: rows of JSONL or Parquet files, tokenized with the model's own tokenizer.
+
+`workload.task=dataset` (preset `workload=dataset`) takes each batch's prompts from `data.*`:
+the rows of `data.train_files`, walked epoch by epoch, each epoch in its own permutation keyed by
+(run.seed, epoch). Batch b starts where batch b-1 ended (over-sampled batches take more rows), so
+a batch is a pure function of (seed, batch index, prompt index) as with the built-in tasks: where
+and by how many ranks it is generated never changes it, and a resumed run continues the sequence.
+
+A prompt is the row's `data.prompt_key` text, wrapped as one user message by the tokenizer's chat
+template (`data.apply_chat_template`); its reference answer is `data.answer_key`; the row's other
+fields go to the reward as `extra`. Responses end at the model's end-of-sequence token or at the
+batch's cap (`workload.length_max`): their lengths are whatever the policy produces.
+
+`check_dataset` reads and tokenizes every prompt once in the launching process, so a missing
+field, a prompt too long or a model with too few positions is reported before any rank starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+
+import numpy as np
+
+from ..config import ConfigError, DataConfig, JobConfig
+from .shapes import generated_prompts, keyed_rng, max_response_cap, response_cap
+from .workload import DigitTask, Prompt, Task
+
+_ORDER_STREAM = 0x64617461        # "data": the permutation of each epoch
+
+
+def read_file(path: str) -> list[dict]:
+    """The rows of one file: JSONL (one object per line), a JSON list, or Parquet; a ValueError
+    naming the file and what is wrong."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file")
+    if path.endswith(".parquet"):
+        import pandas as pd
+        try:
+            return pd.read_parquet(path).to_dict("records")
+        except ImportError as e:
+            raise ValueError(f"{path}: reading Parquet needs pyarrow ({e}); pip install "
+                             f"'dynaresize[parquet]', or convert the file to JSONL") from None
+    if not path.endswith((".jsonl", ".json")):
+        raise ValueError(f"{path}: use a .jsonl (one JSON object per line), .json (a list) or .parquet file")
+    with open(path) as f:
+        if path.endswith(".json"):
+            rows = json.load(f)
+            if not isinstance(rows, list):
+                raise ValueError(f"{path} holds a JSON {type(rows).__name__}, not a list of rows")
+            return rows
+        rows = []
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as e:
+                    raise ValueError(f"{path} line {n} is not JSON ({e})") from None
+        return rows
+
+
+def read_rows(files: list[str]) -> list[dict]:
+    """Every row of `data.train_files`, in order; a ConfigError naming the file's entry."""
+    rows: list[dict] = []
+    for i, path in enumerate(files):
+        try:
+            rows += read_file(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"invalid configuration:\n  data.train_files[{i}]: {e}. Fix: give JSONL "
+                              f"(one object per line), a JSON list or Parquet.") from None
+    if not rows:
+        raise ConfigError("invalid configuration:\n  data.train_files: the files hold no rows. "
+                          "Fix: give files with at least one prompt.")
+    return rows
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    from .model import quiet_transformers
+    quiet_transformers()
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class PromptEncoder:
+    """Prompt text -> token ids the way `data.*` says (chat template, length limit)."""
+
+    def __init__(self, cfg: DataConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+    def full(self, text: str) -> list[int]:
+        """All the prompt's tokens, before any length limit."""
+        tok = self.tokenizer
+        if self.cfg.apply_chat_template:
+            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        return list(tok(text)["input_ids"])
+
+    def __call__(self, text: str) -> list[int]:
+        ids, limit = self.full(text), self.cfg.max_prompt_length
+        if limit is None or len(ids) <= limit:
+            return ids
+        if self.cfg.truncation == "left":        # keep the end: the question and the generation prompt
+            return ids[-limit:]
+        if self.cfg.truncation == "right":
+            return ids[:limit]
+        raise ValueError(f"a prompt of {len(ids)} tokens is longer than data.max_prompt_length={limit}")
+
+
+class DatasetTask:
+    """The prompts of a batch drawn from the dataset (see the module docstring)."""
+
+    def __init__(self, cfg: JobConfig, model_dir: str):
+        self.cfg, self.data, self.workload = cfg, cfg.data, cfg.workload
+        self.tokenizer = load_tokenizer(model_dir)
+        self.encode = PromptEncoder(cfg.data, self.tokenizer)
+        self.rows = read_rows(cfg.data.train_files)
+
+    @lru_cache(maxsize=4)
+    def _epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+        n = len(self.rows)
+        return keyed_rng(seed, epoch, _ORDER_STREAM).permutation(n) if self.data.shuffle else np.arange(n)
+
+    def row_indices(self, seed: int, batch: int, num_prompts: int) -> list[int]:
+        """The dataset rows of batch `batch`: the next ones of the epoch-by-epoch sequence."""
+        start = sum(generated_prompts(self.workload, b, num_prompts) for b in range(batch))
+        count = generated_prompts(self.workload, batch, num_prompts)
+        n = len(self.rows)
+        return [int(self._epoch_order(seed, pos // n)[pos % n]) for pos in range(start, start + count)]
+
+    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
+        cap = response_cap(self.workload, batch)
+        p, a = self.data.prompt_key, self.data.answer_key
+        prompts = []
+        for i, row_index in enumerate(self.row_indices(seed, batch, num_prompts)):
+            row = self.rows[row_index]
+            extra = {k: v for k, v in row.items() if k not in (p, a)}
+            extra["row"] = row_index
+            prompts.append(Prompt(index=i, tokens=tuple(self.encode(str(row[p]))), answer=str(row[a]),
+                                  response_lens=(cap,) * samples_per_prompt, text=str(row[p]), extra=extra))
+        return prompts
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def check_dataset(cfg: JobConfig) -> str:
+    """Read and tokenize every prompt once, before any rank starts; raise ConfigError naming the
+    field, the row and the fix. Returns a one-line summary for the launcher to print."""
+    d = cfg.data
+    tokenizer = load_tokenizer(cfg.model.path)
+    problems = []
+    if d.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"invalid configuration:\n  data.apply_chat_template: the tokenizer in "
+                          f"{cfg.model.path} has no chat template. Fix: data.apply_chat_template=false "
+                          f"(the prompt text is tokenized as it is), or use a model with one.")
+    rows = read_rows(d.train_files)
+    for key, name in ((d.prompt_key, "data.prompt_key"), (d.answer_key, "data.answer_key")):
+        missing = next((i for i, row in enumerate(rows) if not isinstance(row, dict) or key not in row), None)
+        if missing is not None:
+            fields = sorted(rows[missing]) if isinstance(rows[missing], dict) else type(rows[missing]).__name__
+            problems.append(f"  {name}: row {missing} has no field {key!r} (its fields: {fields}). "
+                            f"Fix: set {name} to the field that holds it.")
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(problems))
+    encode = PromptEncoder(d, tokenizer)
+    lengths = np.array([len(encode.full(str(row[d.prompt_key]))) for row in rows])
+    longest_row = int(lengths.argmax())
+    if d.max_prompt_length is not None and d.truncation == "error" and lengths.max() > d.max_prompt_length:
+        over = int((lengths > d.max_prompt_length).sum())
+        raise ConfigError(f"invalid configuration:\n  data.max_prompt_length: {over} prompt(s) are longer than "
+                          f"{d.max_prompt_length} tokens (row {longest_row} has {lengths.max()}). Fix: raise "
+                          f"data.max_prompt_length, or truncate with data.truncation=left (keep the end) or right.")
+    longest_prompt = int(lengths.max()) if d.max_prompt_length is None else min(int(lengths.max()), d.max_prompt_length)
+    positions = _max_positions(cfg.model.path)
+    longest = longest_prompt + max_response_cap(cfg.workload)
+    if positions is not None and longest > positions:
+        raise ConfigError(f"invalid configuration:\n  workload.length_max: the longest prompt ({longest_prompt} "
+                          f"tokens, row {longest_row}) plus the response cap ({max_response_cap(cfg.workload)}) is "
+                          f"{longest} tokens, more than the model's max_position_embeddings ({positions}). Fix: "
+                          f"lower workload.length_max or data.max_prompt_length, or use a model with more positions.")
+    return (f"dataset: {len(rows)} prompts from {len(d.train_files)} file(s), prompt tokens median "
+            f"{int(np.median(lengths))} / max {int(lengths.max())}, responses up to {max_response_cap(cfg.workload)}")
+
+
+def _max_positions(model_dir: str) -> int | None:
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = hf.get("max_position_embeddings", hf.get("n_positions"))
+    return value if isinstance(value, int) else None
+
+
+def make_task(cfg: JobConfig, model_dir: str) -> Task:
+    """The source of prompts `workload.task` names: your dataset, or a built-in digit task."""
+    if cfg.workload.task == "dataset":
+        return DatasetTask(cfg, model_dir)
+    return DigitTask(cfg.workload)

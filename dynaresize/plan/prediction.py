@@ -1,0 +1,453 @@
+"""What the next iterations will take on each split: the one prediction that the dynamic policy,
+the oracle (dynaresize.sim) and the start-up choice of a split (`policy.train_ranks=auto`) share.
+
+- `IterationModel` prices one iteration of a split with the cost model, the way the simulator
+  runs it: the rollout ranks' list schedules (prompts placed by placement.place_prompts, so the
+  slowest rank is floored by the longest sequences it holds and by its queue), the train ranks'
+  micro-batches (placement.assign_micro_batches) with every pass the trainer runs, the exchange and
+  the weight sync. The stages overlap with max_lag 1 (the iteration lasts the longer) and add up
+  with max_lag 0. It also prices a switch between two splits: the critical path of the plan the
+  runtime runs (switchplan.critical_time).
+- `LengthForecast` says what a batch not generated yet will look like, from what a real system
+  knows: the lengths of the batches already generated (per task of a mixture), their trend, and the
+  configuration (the response cap of each batch, how many prompts a batch has, which task it is).
+  It never reads a batch's hidden response lengths before the batch is generated. A response cut
+  at its batch's cap says only that it would have been at least that long: past a cap rise, those
+  responses are given the lengths of the tail a log-normal fitted to the batch puts beyond the old
+  cap (`uncensor`).
+
+The oracle gives IterationModel the true batches (it knows the future); the dynamic policy gives it
+the forecast ones and corrects the cost model by the ratio of measured to predicted stage times.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .costmodel import CostModel
+from .migration import tail_schedule
+from .placement import assign_micro_batches, place_prompts
+from .stealing import claim_schedule, queue_order
+from ..data.shapes import batch_shape, generated_prompts, response_cap, task_index
+from . import switchplan
+from .roles import RoleTable
+
+EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
+NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
+TREND_WINDOW = 10     # batches of a task whose mean lengths give its growth trend
+ENSEMBLE = 16         # recent batches of a task a forecast replays (their predictions are averaged)
+assert ENSEMBLE >= TREND_WINDOW     # the trend is read from the batches a forecast keeps
+_PRIOR_STREAM = 0x70726972    # "prir": the configured workload's sample batch (not a real batch)
+
+
+@dataclass(frozen=True, eq=False)
+class Lengths:
+    """The lengths of one batch: what pricing it needs. Compared by identity: IterationModel keeps
+    what it priced on a batch as long as the batch lives (a forecast's members are reused)."""
+    prompt_lens: np.ndarray      # (prompts,)
+    response_lens: np.ndarray    # (prompts, samples per prompt)
+    trained_prompts: int         # the trainer takes prompt groups 0 .. trained_prompts - 1
+
+    @classmethod
+    def of(cls, shape) -> "Lengths":
+        return cls(np.asarray(shape.prompt_lens), np.asarray(shape.response_lens), int(shape.trained_prompts))
+
+    @property
+    def prompts(self) -> int:
+        return len(self.prompt_lens)
+
+    def to_data(self) -> dict:
+        return {"prompt_lens": self.prompt_lens.tolist(), "response_lens": self.response_lens.tolist(),
+                "trained_prompts": self.trained_prompts}
+
+    @classmethod
+    def from_data(cls, d: dict) -> "Lengths":
+        return cls(np.asarray(d["prompt_lens"], np.int64),
+                   np.asarray(d["response_lens"], np.int64).reshape(len(d["prompt_lens"]), -1),
+                   int(d["trained_prompts"]))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    total: float                 # the iteration, switch excluded
+    rollout: float               # the slowest rollout rank
+    train: float                 # the slowest train rank, synchronisation included
+
+    @staticmethod
+    def mean(predictions: list["Prediction"]) -> "Prediction":
+        """The average of equally likely predictions."""
+        return Prediction(*(float(np.mean(x)) for x in zip(*((p.total, p.rollout, p.train) for p in predictions))))
+
+
+class IterationModel:
+    """Prices iterations and switches of a job of `world` ranks (see the module docstring)."""
+
+    def __init__(self, cm: CostModel, world: int, max_lag: int, micro_batch_size: int, resize_unit: int = 1,
+                 work_stealing: bool = False, release_mode: str = "sleep", migration: tuple[int, int] | None = None,
+                 transport: str = "auto", staging_critical: bool = False):
+        self.cm, self.world, self.lag, self.mbs = cm, world, max_lag, micro_batch_size
+        self.work_stealing = work_stealing
+        # what a switch plan depends on: rollout.release, staging.transport and .critical, the nodes
+        self.release_mode, self.transport, self.staging_critical = release_mode, transport, staging_critical
+        self.hosts = cm.hostnames(world)
+        self.migration = migration          # tail migration: (rollout.migration_threshold, rollout.tail_ranks)
+        self.engine_times = cm.helper_engine_times(release_mode)   # a helper's engine: (sleep, wake)
+        unit = max(resize_unit, 1)
+        self.candidates = list(range(unit, world - unit + 1, unit))
+        # The train group's collectives leave the node above gpus_per_node ranks: train time jumps
+        # there, so the split just below is a candidate of every search.
+        inside = [k for k in self.candidates if k <= cm.gpus_per_node]
+        self.node_split = inside[-1] if cm.gpus_per_node > 0 and inside else None
+        # what was priced on each batch, by (quantity, split), while the batch lives: a forecast
+        # replays the same recent batches decision after decision, at the same candidate splits
+        self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.pool = None      # a pricing.PricingPool, if rollouts are priced on workers (price_rollouts)
+        self._switches: dict[tuple, float] = {}     # switch(...) by its arguments
+
+    @classmethod
+    def for_job(cls, job, cm: CostModel, migration: tuple[int, int] | None = None) -> "IterationModel":
+        """The model of job config `job` (config.JobConfig) priced by `cm`; `migration`: the tail
+        migration it predicts with (migration.priced_migration), None for none."""
+        return cls(cm, job.cluster.ranks, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
+                   job.trainer.work_stealing, job.rollout.release, migration, job.staging.transport,
+                   job.staging.critical)
+
+    def _memo(self, batch: Lengths, key: tuple, compute: Callable):
+        priced = self._priced.get(batch)
+        if priced is None:
+            priced = self._priced[batch] = {}
+        if key not in priced:
+            priced[key] = compute()
+        return priced[key]
+
+    def rollout(self, batch: Lengths, k: int) -> float:
+        return float(self.rollout_times(batch, k).max())
+
+    def rollout_times(self, batch: Lengths, k: int) -> np.ndarray:
+        """Each rollout rank's time on the split of k train ranks, until it is done with its
+        rollout (read-only: kept for the batch). With tail migration: its cut, or a tail rank's
+        end (migration.tail_schedule)."""
+        return self._memo(batch, ("rollout", k), lambda: self._read_only(self.price_rollout(batch, k)))
+
+    def price_rollout(self, batch: Lengths, k: int) -> np.ndarray:
+        """rollout_times, computed (not kept): what a pricing worker runs (dynaresize.plan.pricing)."""
+        R = self.world - k
+        if self.migration is not None and R >= 2:
+            return tail_schedule(self.cm, *self.rollout_cuts(batch, k), self.migration[1])[0]
+        return self.cm.rollout_times(place_prompts(batch.prompt_lens, R), batch.prompt_lens, batch.response_lens, R)
+
+    @staticmethod
+    def _read_only(times: np.ndarray) -> np.ndarray:
+        times.flags.writeable = False
+        return times
+
+    def price_rollouts(self, pairs: Iterable[tuple[Lengths, int]]) -> None:
+        """Keep the rollout times of the (batch, train ranks) `pairs`, those not kept yet priced
+        together on the pricing pool's workers (`pool`, dynaresize.plan.pricing; without one, each is
+        priced where it is needed)."""
+        if self.pool is None:
+            return
+        todo = list(dict.fromkeys((b, k) for b, k in pairs if ("rollout", k) not in self._priced.get(b, {})))
+        if len(todo) < 2:
+            return
+        for (batch, k), times in zip(todo, self.pool.rollout_times(todo)):
+            self._memo(batch, ("rollout", k), lambda times=times: self._read_only(times))
+
+    def rollout_cuts(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Tail migration on the split of k train ranks: each rollout rank's cut and the sequences
+        left then, each as (its rank, tokens to go, context tokens so far) (CostModel.rollout_cuts)."""
+        R = self.world - k
+        return self.cm.rollout_cuts(place_prompts(batch.prompt_lens, R), batch.prompt_lens,
+                                    batch.response_lens, R, self.migration[0])
+
+    def micro_batch_tokens(self, batch: Lengths) -> np.ndarray:
+        """The tokens of each micro-batch of the trained samples, in index order (as the trainer cuts them)."""
+        def count() -> np.ndarray:
+            n = batch.trained_prompts
+            tok = (batch.prompt_lens[:n, None] + batch.response_lens[:n]).ravel().astype(np.float64)
+            out = np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
+            out.flags.writeable = False
+            return out
+        return self._memo(batch, ("micro-batch tokens",), count)
+
+    def train_work(self, batch: Lengths, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, micro-batches) of each of k train ranks: the trained samples in index order,
+        cut into micro-batches, spread by placement.assign_micro_batches (as the trainer does)."""
+        mb_tok = self.micro_batch_tokens(batch)
+        owner = assign_micro_batches(mb_tok, k)
+        return np.bincount(owner, weights=mb_tok, minlength=k), np.bincount(owner, minlength=k).astype(np.float64)
+
+    def train(self, batch: Lengths, k: int, helpers_free: np.ndarray | None = None) -> float:
+        """The train stage on k train ranks. With `helpers_free` (work stealing: when each rollout
+        rank is free to help, in seconds from the stage's start) every worker claims micro-batches
+        from the queue, and the helpers' sums reach the train ranks before the all-reduce."""
+        if helpers_free is None:
+            def price() -> float:
+                tok, mb = self.train_work(batch, k)
+                return float(np.max(self.cm.train_compute_time(tok, mb))) + self.cm.train_sync_time(k)
+            return self._memo(batch, ("train", k), price)
+        owner, start, dur, _, _ = self.claims(batch, k, np.concatenate((np.zeros(k), helpers_free)))
+        compute = float((start + dur).max()) if len(dur) else 0.0
+        return compute + self.helper_sums(owner, k) + self.cm.train_sync_time(k)
+
+    def claims(self, batch: Lengths, k: int, ready: np.ndarray, scale: float = 1.0):
+        """Work stealing's queue priced (stealing.claim_schedule): workers free from `ready` (the k
+        train ranks first, then the helpers, which join if it pays and start once their engine
+        sleeps) take the micro-batches in order (stealing.queue_order), each lasting its compute
+        time x `scale`. Returns (in queue order: the worker of each micro-batch, its start, its
+        duration, its tokens; the helpers that joined)."""
+        tokens = self.micro_batch_tokens(batch)
+        order = queue_order(tokens)
+        dur = self.cm.train_compute_time(tokens[order], 1) * scale
+        owner, start, _, joined = claim_schedule(dur, ready, k, self.join_time(k) * scale,
+                                                 self.engine_times[0] * scale)
+        return owner, start, dur, tokens[order], joined
+
+    def join_time(self, k: int) -> float:
+        """What one helper costs the train step of k train ranks (stealing.worth_joining): its
+        gradient sum, and its engine's sleep and wake."""
+        return self.cm.helper_sums_time(1, k, self.cm.multi_node(self.world)) + sum(self.engine_times)
+
+    def helper_sums(self, owner: np.ndarray, k: int) -> float:
+        """The time the helpers' gradient sums take to reach the k train ranks."""
+        helpers = len(np.unique(owner[owner >= k]))
+        return self.cm.helper_sums_time(helpers, k, self.cm.multi_node(self.world))
+
+    def iteration(self, generate: Lengths | None, train: Lengths | None, k: int,
+                  rollout_scale: float = 1.0, train_scale: float = 1.0) -> Prediction:
+        """One iteration with k train ranks that generates `generate` and trains on `train` (either
+        may be None); the stage times are multiplied by the given corrections."""
+        times = self.rollout_times(generate, k) * rollout_scale if generate is not None else None
+        roll = float(times.max()) if times is not None else 0.0
+        if train is None:
+            trn = 0.0
+        elif self.work_stealing:       # helpers free when their rollout ends (max_lag 1) or at once
+            free = times if self.lag >= 1 and times is not None else np.zeros(self.world - k)
+            trn = self.train(train, k, free / train_scale) * train_scale
+        else:
+            trn = self.train(train, k) * train_scale
+        return self.compose(roll, trn, generate, train, k)
+
+    def compose(self, roll: float, trn: float, generate: Lengths | None, train: Lengths | None,
+                k: int) -> Prediction:
+        """An iteration of k train ranks from its stage times: the stages overlap (max_lag 1) or
+        follow each other (max_lag 0), then the exchange, the weight sync and the overhead."""
+        cm, W = self.cm, self.world
+        sync = cm.weight_sync_time(cm.weight_bytes, 1 + W - k, multi_node=cm.multi_node(W)) if train is not None \
+            else 0.0
+        tokens = 0.0 if generate is None else float(generate.prompt_lens.sum() * generate.response_lens.shape[1]
+                                                    + generate.response_lens.sum())
+        stages = max(roll, trn) if self.lag >= 1 else roll + trn
+        total = stages + cm.exchange_time(tokens, W) + sync + cm.iteration_overhead()
+        return Prediction(total, roll, trn)
+
+    def expected(self, generate: list[Lengths] | None, train: list[Lengths] | None, k: int,
+                 rollout_scale: float = 1.0, train_scale: float = 1.0) -> Prediction:
+        """`iteration` averaged over equally likely batches (a forecast's ensemble)."""
+        gens, trns = generate or [None], train or [None]
+        if generate:
+            self.price_rollouts((g, k) for g in generate)
+        n = max(len(gens), len(trns))
+        return Prediction.mean([self.iteration(gens[i % len(gens)], trns[i % len(trns)], k, rollout_scale,
+                                               train_scale) for i in range(n)])
+
+    def best_split(self, predict: Callable[[int], Prediction], exhaustive: bool = False) -> int:
+        """The candidate split with the shortest predicted iteration (ties: fewer train ranks).
+
+        With overlapping stages (max_lag 1) the iteration lasts about max(rollout, train): rollout
+        time grows with the train ranks and train time shrinks, so the best split sits where they
+        cross. Beyond EXHAUSTIVE candidates, bisect for the crossing (a few evaluations, never a
+        sweep of the splits whose few rollout ranks queue thousands of sequences), then search
+        NEIGHBOURS candidates on each side of it, and the largest split whose train group fits in
+        a node (train time is not monotone there). `exhaustive`: evaluate every candidate (an
+        average over different batches need not have one crossing)."""
+        cands = self.candidates
+        window = range(len(cands))
+        if len(cands) > EXHAUSTIVE and self.lag >= 1 and not exhaustive:
+            lo, hi = 0, len(cands) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                p = predict(cands[mid])
+                lo, hi = (lo, mid) if p.rollout >= p.train else (mid + 1, hi)
+            window = list(range(max(lo - NEIGHBOURS, 0), min(lo + NEIGHBOURS, len(cands) - 1) + 1))
+            if self.node_split is not None:
+                window.append(cands.index(self.node_split))
+        return cands[min(window, key=lambda i: (predict(cands[i]).total, i))]
+
+    def switch(self, k: int, k2: int, engines_from: int) -> float:
+        """Critical path of the switch from k to k2 train ranks: the plan resize.switch runs
+        (switchplan.plan, its transport chosen as the runtime does on the cost model's nodes: the
+        job's own in a run, the profile's in a simulation), each operation priced by the cost
+        model (switchplan.critical_time). Ranks >= `engines_from` that train now hold a parked
+        engine (they generated before); the others start one cold."""
+        if k2 == k:
+            return 0.0
+        parked_from = min(max(engines_from, k2), k)    # what the plan's times depend on: which
+        key = (k, k2, parked_from)                      # leaving ranks have an engine to wake
+        if key not in self._switches:
+            old = RoleTable.split(self.world, k)
+            plan = switchplan.plan(old, old.with_split(k2), parked=frozenset(range(parked_from, k)),
+                                   transport=switchplan.transport(self.transport, self.hosts, max(k, k2)),
+                                   numel=self.cm.numel, release_mode=self.release_mode,
+                                   staging_critical=self.staging_critical)
+            self._switches[key] = switchplan.critical_time(plan, self.cm.switch_op_time)
+        return self._switches[key]
+
+
+def workload_sample(workload, seed: int, b: int, prompts_per_batch: int, samples_per_prompt: int,
+                    n: int = ENSEMBLE) -> list[Lengths]:
+    """n equally likely batches of the configured workload at batch index b: its task, cap, growth
+    and prompt count, with lengths drawn from streams of their own (never the real batch b's)."""
+    return [Lengths.of(batch_shape(workload, seed + _PRIOR_STREAM + i, b, prompts_per_batch, samples_per_prompt))
+            for i in range(n)]
+
+
+def uncensor(lengths: np.ndarray, cut: int) -> np.ndarray:
+    """`lengths` with the responses cut at `cut` (known only to be at least that long) replaced by
+    evenly spaced quantiles of the tail beyond `cut` of a log-normal fitted to the batch: its median
+    and 16th percentile, both below the cut while under half the batch is cut. Unchanged if no
+    response is cut, or half or more are (too little left to fit)."""
+    is_cut = lengths >= cut
+    n_cut = int(is_cut.sum())
+    if n_cut == 0 or 2 * n_cut >= lengths.size:
+        return lengths
+    q16, q50 = np.quantile(np.log(np.maximum(lengths, 1)), [0.158655, 0.5])
+    normal = statistics.NormalDist(float(q50), max(float(q50 - q16), 1e-6))
+    beyond = normal.cdf(math.log(cut))
+    tail = [math.exp(normal.inv_cdf(beyond + (1 - beyond) * (i + 0.5) / n_cut)) for i in range(n_cut)]
+    out = lengths.copy()
+    out[is_cut] = np.maximum(np.round(tail), cut).astype(lengths.dtype)
+    return out
+
+
+class LengthForecast:
+    """The batches of the coming iterations, from the batches generated so far (see the module
+    docstring). Per task of a mixture (tasks rotate by a configured schedule), the forecast of a
+    batch is an ensemble: the task's last ENSEMBLE generated batches, each grown by the task's
+    trend over the batches between (a least-squares slope of log mean length over the last
+    TREND_WINDOW, compared at the lowest cap among them) and cut at the forecast batch's
+    configured cap (responses cut at a lower cap of their own batch continue past it:
+    `uncensor`). A rollout's time is floored by
+    its longest sequences, which differ from batch to batch: a prediction averaged over several
+    batches estimates the expected time, where one batch would chase the noise of its tail. A task
+    not seen yet is a sample of the configured workload (drawn with a seed of its own, not the
+    real batches)."""
+
+    def __init__(self, workload, seed: int, prompts_per_batch: int, samples_per_prompt: int):
+        self.w, self.seed, self.ppb, self.spp = workload, seed, prompts_per_batch, samples_per_prompt
+        self.generated: dict[int, Lengths] = {}          # recent generated batches, by index
+        self.recent: dict[int, deque] = {}                # task -> (batch index, lengths), newest last
+        self._growth: dict[int, float] = {}               # task -> growth(task), until it sees a batch
+        # the same objects for the same forecast until its batch is generated (IterationModel keeps
+        # prices per batch object): prior(b), and the member (growth, batch) of each (seen batch,
+        # forecast batch), replaced when the growth changes
+        self._priors: dict[int, list[Lengths]] = {}
+        self._members: dict[tuple[int, int], tuple[float, Lengths]] = {}
+
+    def observe(self, b: int, batch: Lengths) -> None:
+        task = task_index(self.w, b)
+        self.generated[b] = batch
+        for old in [x for x in self.generated if x < b - 2]:
+            del self.generated[old]
+        self.recent.setdefault(task, deque(maxlen=ENSEMBLE)).append((b, batch))
+        for old in [x for x in self._priors if x <= b]:
+            del self._priors[old]
+        replayed = {b0 for d in self.recent.values() for b0, _ in d}
+        for key in [key for key in self._members if key[1] <= b or key[0] not in replayed]:
+            del self._members[key]
+        self._growth.pop(task, None)
+
+    def growth(self, task: int) -> float:
+        """The task's log growth of mean length per batch: the least-squares slope over its last
+        TREND_WINDOW batches (0 until three are seen), kept from four batches on only where it
+        stands out of their noise (over two standard errors). A stationary task's slope is noise;
+        grown over the horizon it made the forecast, and the chosen split, wander.
+
+        The batches are compared on equal terms: each one's mean length with its responses clipped
+        at the lowest cap among them. Past a cap rise the new cap lets longer responses through,
+        which is not growth: counted as growth, the step in the mean made the slope 3-5 x the
+        trend for the next TREND_WINDOW batches."""
+        if task not in self._growth:
+            self._growth[task] = self._fit_growth(task)
+        return self._growth[task]
+
+    def _fit_growth(self, task: int) -> float:
+        seen = [(b0, x.response_lens) for b0, x in list(self.recent.get(task, ()))[-TREND_WINDOW:]
+                if x.response_lens.size]
+        cap = min((response_cap(self.w, b0) for b0, _ in seen), default=0)
+        points = [(b0, float(np.minimum(lens, cap).mean())) for b0, lens in seen]
+        points = [(b0, math.log(mean)) for b0, mean in points if mean > 0]
+        if len(points) < 3:
+            return 0.0
+        x, y = np.array(points).T
+        slope = float(np.polyfit(x, y, 1)[0])
+        if len(points) < 4:
+            return slope
+        dx = x - x.mean()
+        resid = y - y.mean() - slope * dx
+        stderr = math.sqrt(float(resid @ resid) / (len(points) - 2) / float(dx @ dx))
+        return slope if abs(slope) > 2.0 * stderr else 0.0
+
+    def prior(self, b: int) -> list[Lengths]:
+        """ENSEMBLE samples of the configured workload at batch b (start-up, tasks not seen yet),
+        the same objects until batch b is generated."""
+        if b not in self._priors:
+            self._priors[b] = workload_sample(self.w, self.seed, b, self.ppb, self.spp)
+        return self._priors[b]
+
+    def replayed(self, b: int) -> int:
+        """How many generated batches the forecast of batch b replays: ENSEMBLE where it is
+        generated already or is the configured workload's sample (a task not seen yet), else the
+        batches of its task seen so far (1 after the task's first batch)."""
+        task = task_index(self.w, b)
+        if b in self.generated or task not in self.recent:
+            return ENSEMBLE
+        return len(self.recent[task])
+
+    def forecast(self, b: int) -> tuple[list[Lengths], tuple]:
+        """(the forecast of batch b: one or more equally likely batches, a key: equal keys,
+        equal forecasts)."""
+        if b in self.generated:
+            return [self.generated[b]], ("generated", b)
+        task = task_index(self.w, b)
+        if task not in self.recent:
+            return self.prior(b), ("prior", b)
+        growth, cap = self.growth(task), response_cap(self.w, b)
+        n = generated_prompts(self.w, b, self.ppb)
+        members, key = [], []
+        for b0, seen in self.recent[task]:
+            scale = math.exp(growth * (b - b0))
+            cut = response_cap(self.w, b0)
+            cap_rises = cut < cap and seen.response_lens.max(initial=0) >= cut
+            if scale == 1.0 and not cap_rises and n == seen.prompts and seen.trained_prompts == min(self.ppb, n) \
+                    and 1 <= seen.response_lens.min() and seen.response_lens.max() <= cap:
+                members.append(seen)                  # the batch as seen
+            else:
+                if self._members.get((b0, b), (None,))[0] != scale:
+                    rows = np.arange(n) % seen.prompts    # a batch of another size repeats the rows seen
+                    lens = uncensor(seen.response_lens, cut) if cap_rises else seen.response_lens
+                    lens = np.clip(np.round(lens[rows] * scale), 1, cap).astype(np.int64)
+                    self._members[b0, b] = scale, Lengths(seen.prompt_lens[rows], lens, min(self.ppb, n))
+                members.append(self._members[b0, b][1])
+            key.append((b0, round(scale, 2)))
+        return members, ("forecast", task, cap, n, *key)
+
+    def state(self) -> dict:
+        """What was observed, as plain data (JSON): lists of [batch or task, ...] pairs."""
+        return {"generated": [[b, x.to_data()] for b, x in self.generated.items()],
+                "recent": [[t, [[b, x.to_data()] for b, x in d]] for t, d in self.recent.items()]}
+
+    def load_state(self, state: dict) -> None:
+        self.generated = {int(b): Lengths.from_data(x) for b, x in state["generated"]}
+        self.recent = {int(t): deque(((int(b), Lengths.from_data(x)) for b, x in d), maxlen=ENSEMBLE)
+                       for t, d in state["recent"]}
+        self._growth = {}
+
+
+__all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast", "uncensor", "workload_sample"]

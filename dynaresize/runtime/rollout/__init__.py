@@ -1,0 +1,1 @@
+"""Rollout engines behind one interface (`base`): the portable torch engine and vLLM."""

@@ -1,0 +1,46 @@
+"""One rank of a job: `python -m dynaresize.runtime.worker RUN_DIR/config.yaml` (started by mpiexec or srun).
+
+A failing rank prints its error and aborts the whole MPI job, so no other rank is left waiting in
+a collective for it.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+from omegaconf import OmegaConf
+
+from . import preemption
+from ..config import JobConfig, parse_config
+
+
+def run_rank(cfg: JobConfig) -> None:
+    """Run this process as one rank of the job `cfg` (also the callable submitit ships to Slurm)."""
+    preemption.install()          # first: Slurm's warning is ours from the start, not submitit's
+    from .comm import ControlPlane
+    from .job import Job
+    from ..loop import run_iterations
+
+    ctrl = ControlPlane()
+    try:
+        run_iterations(Job(cfg, ctrl), cfg.run.iterations, cfg.run.max_lag)
+    except preemption.RequeueLimit:
+        raise                     # stopped cleanly after a checkpoint, every rank: no abort
+    except BaseException as e:  # noqa: BLE001 - any failure must take the job down, not hang it
+        print(f"[dynaresize] rank {ctrl.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        traceback.print_exc()
+        ctrl.abort(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: python -m dynaresize.runtime.worker RUN_DIR/config.yaml")
+    try:
+        run_rank(parse_config(OmegaConf.load(argv[0])))   # validated by the launcher that wrote it
+    except preemption.RequeueLimit as e:
+        sys.exit(f"dynaresize: {e}")
+
+
+if __name__ == "__main__":
+    main()
