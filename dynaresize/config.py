@@ -31,21 +31,21 @@ class ClusterConfig:
     ranks: int = 4                 # local: number of MPI ranks; slurm: nodes * gpus_per_node
     device: str = "cpu"            # cpu (gloo) or cuda (nccl, one GPU per rank)
     mpiexec: str = "mpiexec"       # the MPI launcher used by launcher=local
-    mpiexec_args: list[str] = field(default_factory=list)
+    mpiexec_args: list[str] = field(default_factory=list)  # extra arguments to mpiexec (e.g. [--bind-to, none])
     local_scratch: Optional[str] = None  # node-local dir for staging; default $SLURM_TMPDIR/$TMPDIR/tmp
     # Slurm (launcher=slurm)
-    nodes: int = 1
-    gpus_per_node: int = 4
-    cpus_per_task: int = 1
-    mem_gb: Optional[int] = None
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    time_min: int = 60
+    nodes: int = 1                 # Slurm nodes of the job
+    gpus_per_node: int = 4         # GPUs, and so ranks, per node
+    cpus_per_task: int = 1         # CPU cores per rank (give spare ones to policy.pricing_workers)
+    mem_gb: Optional[int] = None   # memory per node in GB; None: the partition's default
+    partition: Optional[str] = None  # Slurm partition; None: the site's default
+    account: Optional[str] = None  # Slurm account to charge
+    qos: Optional[str] = None      # Slurm quality of service
+    time_min: int = 60             # time limit of the job in minutes
     signal_delay_s: int = 120      # Slurm warns this long before the time limit
-    max_requeues: int = 3
+    max_requeues: int = 3          # requeues after Slurm's warning per submission; then checkpoint and stop
     mpi: str = "pmix"              # srun --mpi plugin
-    sbatch_extra: dict[str, Any] = field(default_factory=dict)
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)  # other sbatch options: +cluster.sbatch_extra.KEY=V
     setup: list[str] = field(default_factory=list)  # shell lines run before the job (module load ...)
     wait: bool = True              # follow the submitted job until it ends
 
@@ -53,38 +53,38 @@ class ClusterConfig:
 @dataclass
 class ModelConfig:
     path: Optional[str] = None     # a Hugging Face checkpoint dir; None builds the tiny model below
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    max_position: int = 256
-    init_seed: int = 0
-    dtype: str = "float32"
+    hidden_size: int = 128         # the tiny model's hidden size (model.path unset)
+    num_layers: int = 2            # the tiny model's decoder layers
+    num_heads: int = 4             # the tiny model's attention heads
+    num_kv_heads: int = 2          # the tiny model's key/value heads (grouped-query attention)
+    intermediate_size: int = 256   # the tiny model's MLP width
+    max_position: int = 256        # the tiny model's positions: longest prompt + response
+    init_seed: int = 0             # seed of the tiny model's random initial weights
+    dtype: str = "float32"         # float32 | bfloat16 | float16 (float16 on cuda only)
 
 
 @dataclass
 class WorkloadConfig:
     """The task and the shape of its batches (dynaresize/data/shapes.py; presets in dynaresize/conf/workload/)."""
     task: str = "reverse"          # reverse | sort | add (built-in digit tasks) | dataset (data.*)
-    digits_min: int = 3
-    digits_max: int = 8
+    digits_min: int = 3            # fewest digits of a built-in task's question
+    digits_max: int = 8            # most digits of a built-in task's question
     # Instruction context before the question, in tokens: log-normal (median 0: none), at most prompt_max.
     prompt_median: float = 0.0
-    prompt_sigma: float = 0.0
-    prompt_max: int = 0
+    prompt_sigma: float = 0.0      # log-normal spread of the instruction context's length
+    prompt_max: int = 0            # longest instruction context in tokens
     # Hidden response lengths: a log-normal scale per prompt around a median that drifts by
     # `length_growth` per batch, a log-normal spread per sample, cut to [length_min, length_max].
     length_median: float = 16.0
-    length_sigma: float = 0.8
+    length_sigma: float = 0.8      # log-normal spread of the per-prompt scale (the long tail)
     sample_sigma: float = 0.0      # spread of the samples of one prompt group around its scale
     length_growth: float = 0.05    # median *= (1 + growth) each batch
-    length_min: int = 4
+    length_min: int = 4            # the shortest response
     length_max: int = 96           # the max response length (cap)
     length_max_schedule: list[Any] = field(default_factory=list)  # [[batch, cap], ...]: cap from that batch on
     oversample: list[Any] = field(default_factory=list)           # [[batch, factor], ...]: linear (DAPO)
     mixture: list[Any] = field(default_factory=list)              # task presets ({length_median: ..}), rotating every mixture_block
-    mixture_block: int = 10
+    mixture_block: int = 10        # iterations a mixture's task lasts before the next one
 
 
 @dataclass
@@ -110,30 +110,30 @@ class RewardConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "torch"          # torch | vllm
-    prompts_per_batch: int = 8
+    prompts_per_batch: int = 8     # prompt groups trained per iteration
     samples_per_prompt: int = 4    # GRPO group size
-    temperature: float = 1.0
+    temperature: float = 1.0       # sampling temperature (the trainer's log-probabilities use it too)
     ignore_eos: bool = False       # benchmarking: every response runs to its hidden length (no early <eos>)
     # tail migration: a rollout rank with this many sequences left or fewer hands them to a tail rank
     migration_threshold: Any = 0   # 0: off; auto: the cost model's choice of it and tail_ranks
     tail_ranks: int = 1            # the first rollout ranks at their cut finish the others' sequences
     # vLLM engine settings (rollout=vllm)
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.5  # share of the GPU's memory vLLM may take (weights + KV cache)
     release: str = "sleep"         # on leaving rollout: sleep (CUDA sleep mode) | teardown | keep
-    sleep_level: int = 1
+    sleep_level: int = 1           # vLLM sleep level: 1 offloads the weights to host memory, 2 discards them
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra vllm.LLM arguments
 
 
 @dataclass
 class TrainerConfig:
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    clip_ratio: float = 0.2
-    kl_coef: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_size: int = 4
+    lr: float = 1e-3               # AdamW learning rate
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    eps: float = 1e-8              # AdamW epsilon
+    weight_decay: float = 0.0      # AdamW decoupled weight decay
+    clip_ratio: float = 0.2        # PPO clip range of the importance ratio (GRPO)
+    kl_coef: float = 0.0           # weight of the KL penalty to the initial (reference) policy; 0: no reference model
+    grad_clip: float = 1.0         # clip the global gradient norm to this; 0: off
+    micro_batch_size: int = 4      # samples per micro-batch (gradient accumulation absorbs the split)
     # Gradients are summed across micro-batches and ranks in float64, so the sum (and thus the
     # weights) does not depend on how many train ranks there are, up to the final rounding.
     grad_reduce_dtype: str = "float64"
@@ -171,13 +171,13 @@ class StagingConfig:
 
 @dataclass
 class RunConfig:
-    iterations: int = 8
+    iterations: int = 8            # RL iterations (batches generated and trained)
     max_lag: int = 1               # 0: synchronous; 1: rollout of batch i+1 overlaps training on i
-    seed: int = 1234
+    seed: int = 1234               # every random draw is a function of it (sampling, prompts, shapes)
     mode: str = "real"             # real | emulate (| simulate, set by dynaresize-sim)
     output_dir: Optional[str] = None   # set by the launcher (the Hydra run directory)
     checkpoint_every: int = 0      # iterations between checkpoints; 0: only on Slurm's warning
-    save_model: bool = True
+    save_model: bool = True        # write final_model/ (Hugging Face format) at the end
     report: bool = True            # write the analysis report (dynaresize-analyze) when the run ends
 
 

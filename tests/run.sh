@@ -6,8 +6,13 @@ cd "$(dirname "$0")/.."
 
 # Python environment: the CPU build of torch where one is available, the project, MPI, test tools.
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-.venv/bin/pip install -q torch==2.13.0 -e '.[mpi,test]'
+.venv/bin/pip install -q torch==2.13.0 -e '.[mpi,test,docs]'
 export PATH="$PWD/.venv/bin:$PATH"
+
+# The architecture and the docs: the import layers hold, and the site builds without a warning
+# (a generated reference page out of date is one).
+.venv/bin/lint-imports --no-cache
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d -t dynaresize-site.XXXXXX)"
 
 # A real two-node Slurm cluster with accounting for tests/test_slurm.py (root: daemons, namespaces).
 slurm_dir=""

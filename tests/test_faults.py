@@ -476,17 +476,6 @@ def test_full_scratch_disk_ends_the_job_at_once_naming_path_and_error(tmp_path, 
     assert not leftovers, leftovers
 
 
-def test_readme_fault_table_is_the_tests():
-    """The README's table of faults is generated from the tests' fault marks (tests/fault_table.py)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import fault_table
-    rows = fault_table.faults()
-    assert len(rows) >= 15 and all(f and o for f, o, _ in rows)
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert fault_table.readme_table(readme) == fault_table.table(), \
-        "README.md's fault table is out of date: run python tests/fault_table.py --write"
-
-
 @pytest.mark.fault("a read-only scratch disk",
                    "the job ends at start-up naming the path and `Read-only file system` (needs root for the test's tmpfs)")
 def test_read_only_scratch_disk_ends_the_job_at_once_naming_path_and_error(tmp_path, small_disk):

@@ -304,7 +304,7 @@ def test_command_line_typos_and_types_exit_2(tmp_path):
 
 
 def test_1024_ranks_50_iterations(tmp_path):
-    """Scale: 1,024 ranks, 2,048 prompts x 4 samples a batch, 50 iterations (the README gives the
+    """Scale: 1,024 ranks, 2,048 prompts x 4 samples a batch, 50 iterations (docs/concepts/cost-model.md gives the
     1,000-iteration time)."""
     setup = setup_from_overrides(["cluster.ranks=1024", "run.iterations=50", "rollout.prompts_per_batch=2048",
                                   "policy=dynamic", "policy.train_ranks=512"])

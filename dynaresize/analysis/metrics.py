@@ -57,6 +57,17 @@ GPU-time by state (per run, per role)
 Policy decisions
     The rows of ``decisions``, with action and reason.
 
+Prediction error
+    For each decision that records ``predicted_s`` (the time it predicted for the next
+    iteration, a move's switch included): predicted / measured span of that iteration - 1.
+    ``prediction_error_median`` is the median of its absolute value over the run.
+
+The policy's own time
+    ``decide_s_median`` and ``decide_s_total``: the wall time of rank 0's decisions on the
+    machine that ran it (file attributes of the same names); ``decide_share``: their total / the
+    run's time. A real run's time includes the decisions (every rank waits for them); a
+    simulated run's time leaves them out.
+
 Over 400 lines on purpose: the definitions above and the only code that computes them stay side
 by side, so that a reader checks one against the other in one file.
 """

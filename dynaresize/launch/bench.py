@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--splits", default="1,3", help="the two train-rank counts to switch between")
     parser.add_argument("--out", default=None, help="output dir (default: outputs/bench-TIME)")
+    parser.add_argument("--page", default=None, help="also write the table as a results page (Markdown)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the run config")
     args = parser.parse_args(argv)
     from .local import mpi_env, mpiexec_command
@@ -162,7 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     cmd = mpiexec_command(args.ranks) + [sys.executable, "-m", "dynaresize.launch.bench", "--rank", str(args.repeats), lo, hi, out,
             f"cluster.ranks={args.ranks}", f"policy.train_ranks={lo}", "run.save_model=false", *args.overrides]
     import subprocess
-    return subprocess.run(cmd, env=mpi_env()).returncode
+    code = subprocess.run(cmd, env=mpi_env()).returncode
+    if code == 0 and args.page:
+        import json
+        from ..analysis.pages import write_page
+        with open(os.path.join(out, "switch_bench.json")) as f:
+            rows = json.load(f)
+        body = (f"Switches {lo} <-> {hi} train ranks of {args.ranks} ranks, {args.repeats} repeat(s) per variant; "
+                f"medians per switch, each variant interleaved with the others in one MPI job, the raw disk "
+                f"bandwidth (O_DIRECT writes) measured after every switch:\n\n```\n{table(rows)}\n```\n\n"
+                f"What the variants are: [the switch benchmark](../concepts/switch.md#the-switch-benchmark).")
+        write_page(args.page, "Switch benchmark", ["dynaresize-bench", *(argv if argv is not None else sys.argv[1:])],
+                   body)
+        print(f"results page: {args.page}", flush=True)
+    return code
 
 
 if __name__ == "__main__":

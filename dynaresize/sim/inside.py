@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cell_arguments(p)
     p.add_argument("--out", default="inside.md", help="the table, as Markdown (default ./inside.md)")
+    p.add_argument("--page", default=None, help="also write the table as a results page (Markdown)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every workload, e.g. run.iterations=50")
     args = p.parse_intermixed_args(argv)
     from ..config import ConfigError
@@ -255,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         f.write(text)
     print(text + f"[inside] written to {os.path.abspath(args.out)}", flush=True)
+    if args.page:
+        from ..analysis.pages import write_page
+        write_page(args.page, "Inside the iteration: what moving work could gain",
+                   ["dynaresize-sim", "inside", *(argv if argv is not None else sys.argv[2:])], text)
+        print(f"[inside] results page: {args.page}", flush=True)
     return 0
 
 

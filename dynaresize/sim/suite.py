@@ -107,9 +107,10 @@ def acceptance(r, dynamic: dict) -> dict:
     time here: the median, and the total as a share of the run (rank 0 decides while every rank
     waits; the simulated time leaves it out)."""
     gain = r["oracle"] / r["static, pilot"] - 1
+    captured = lambda row: (r[row] / r["static, pilot"] - 1) / gain if gain > 1e-9 else math.nan  # noqa: E731
     return {"dynamic_vs_oracle": r["dynamic"] / r["oracle"],
             "dynamic_vs_expected": r["dynamic"] / r["oracle, expected lengths"],
-            "captured": (r["dynamic"] / r["static, pilot"] - 1) / gain if gain > 1e-9 else math.nan,
+            "captured": captured("dynamic"), "captured_stealing": captured("dynamic + stealing"),
             "resizes": dynamic["resizes"], "turns": dynamic["turns"],
             "prediction_error": dynamic["prediction_error_median"],
             "decide_s": dynamic["decide_s_median"],
@@ -255,11 +256,12 @@ def run_all(pool, fn, jobs: dict[str, object], label: str, log, every_s: float =
 
 
 def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[str], overrides: list[str],
-              jobs: int = 2, keep: str = "table", log=None) -> "object":
-    """Run the suite; returns the summary DataFrame (one row per hardware x ranks x workload)."""
+              jobs: int = 2, keep: str = "table", log=None, page=None) -> "object":
+    """Run the suite; returns the summary DataFrame (one row per hardware x ranks x workload).
+    `page`: (path, command) of a results page to write after every cell, or None."""
     import pandas as pd
     log = log or (lambda line: print(line, flush=True))
-    summary = []
+    summary, details = [], []
     started = time.perf_counter()
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(max_workers=max(jobs, 1), mp_context=context) as pool:
@@ -296,6 +298,9 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                     summary.append({"hardware": hw, "ranks": n, "workload": w,
                                     **{row: float(r[row]) for row in ROWS}, **acceptance(r, metrics["dynamic"])})
                     result = write_summary(out, summary)   # after every cell: a stopped suite keeps its cells
+                    details.append((title, df))
+                    if page is not None:
+                        write_suite_page(*page, summary, details)
                 both = pd.concat(tables)
                 both.to_csv(os.path.join(folder, "tables.csv"), index=False)
     log(f"[suite] done in {time.perf_counter() - started:.0f} s: {out}/summary.md, per workload table.md/.csv/.png")
@@ -318,6 +323,39 @@ def write_summary(out: str, summary: list[dict]) -> "object":
                 "time).\n\n")
         f.write(markdown(df) + "\n")
     return df
+
+
+PAGE_COLUMNS = (("static, pilot", "static, pilot"), ("colocated", "colocated"), ("dynamic", "dynamic"),
+                ("dynamic + stealing", "dynamic + stealing"),
+                ("oracle, expected lengths", "oracle, expected lengths"), ("oracle", "oracle"), ("bound", "bound"))
+
+
+def write_suite_page(path: str, command: list[str], summary: list[dict], details: list) -> None:
+    """The results page of a suite run: one table per (hardware, ranks), then every workload's rows."""
+    from ..analysis.pages import write_page
+    pct = lambda v: "-" if v is None or math.isnan(v) else f"{v:.0%}"  # noqa: E731
+    body = ["Throughput relative to the hindsight-best static split, the same seeds and cost model in every "
+            "row; what the rows and columns are: [the comparison suite](suite.md).", ""]
+    for hw, n in dict.fromkeys((c["hardware"], c["ranks"]) for c in summary):
+        body += [f"## {hw.upper()}, {n:,} ranks", "",
+                 "| workload | " + " | ".join(t for _, t in PAGE_COLUMNS) + " | dynamic / expected | dynamic / oracle "
+                 "| + stealing / oracle | oracle's gain captured | reversals | prediction error | decisions |",
+                 "|" + "---|" * (len(PAGE_COLUMNS) + 8)]
+        for c in (c for c in summary if (c["hardware"], c["ranks"]) == (hw, n)):
+            share, decide = c["decide_share"], c["decide_s"]
+            decisions = "-" if math.isnan(decide) else \
+                f"{decide:.2f} s, {'<0.1%' if share < 0.001 else f'{share:.1%}'}"
+            body.append(f"| `{c['workload']}` | " + " | ".join(f"{c[row]:.3f}" for row, _ in PAGE_COLUMNS)
+                        + f" | {c['dynamic_vs_expected']:.3f} | {c['dynamic_vs_oracle']:.3f} "
+                        f"| {c['dynamic + stealing'] / c['oracle']:.3f} "
+                        f"| {pct(c['captured'])}, {pct(c['captured_stealing'])} | {c['turns']} "
+                        f"| {c['prediction_error']:.1%} "
+                        f"| {decisions} |")
+        body.append("")
+    body += ["## Each workload in full", ""]
+    for title, df in details:
+        body += [f"### {title}", "", markdown(df.drop(columns=["workload"])), ""]
+    write_page(path, "Comparison suite", command, "\n".join(body))
 
 
 def cell_arguments(p: argparse.ArgumentParser) -> None:
@@ -345,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="simulations in parallel")
     p.add_argument("--keep", choices=("table", "all", "none"), default="table",
                    help="timelines kept: the table's runs (default), every run, or none")
+    p.add_argument("--page", default=None,
+                   help="also write the tables as a results page (Markdown), after every cell")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. run.iterations=50")
     args = p.parse_intermixed_args(argv)
     from ..config import ConfigError
@@ -355,8 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workloads = [w for w in args.workloads.split(",") if w]
     try:
+        page = (args.page, ["dynaresize-sim", "suite", *(argv if argv is not None else sys.argv[2:])]) \
+            if args.page else None
         run_suite(os.path.abspath(args.out), args.ranks, args.hardware, workloads, args.overrides, args.jobs,
-                  args.keep)
+                  args.keep, page=page)
     except (ConfigError, ProfileError) as e:
         print(f"dynaresize-sim suite: {e}", file=sys.stderr)
         return 2

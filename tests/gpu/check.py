@@ -552,18 +552,37 @@ def save(report: dict) -> str:
     return path
 
 
-def print_table(records: list[dict]) -> None:
-    def describe(r: dict) -> str:
-        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["figures"].items())
-        return f"{text} {r['message']}".strip()
+def describe(r: dict) -> str:
+    text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["figures"].items())
+    return f"{text} {r['message']}".strip()
 
+
+def write_results_page(path: str, report: dict, argv: list[str]) -> None:
+    """The docs' results page of this run (`--page PATH`): the machine, then one row per check."""
+    from dynaresize.analysis.pages import write_page
+    env = report["environment"]
+    lines = ["Machine: " + ", ".join(f"{k} {v}" for k, v in env.items()), "",
+             "| check | result | figures |", "|---|---|---|"]
+    lines += [f"| `{r['check']}` | {r['result']} | {describe(r)} |" for r in report["checks"]]
+    write_page(path, "GPU check", ["bash", "tests/gpu/run.sh", *argv], "\n".join(lines))
+
+
+def print_table(records: list[dict]) -> None:
     width = max(len(r["check"]) for r in records)
     print(f"\n{'check':<{width}} | result  | key figures")
     for r in records:
         print(f"{r['check']:<{width}} | {r['result']:<7} | {describe(r)}", flush=True)
 
 
-def main(selected: list[str]) -> int:
+def main(argv: list[str]) -> int:
+    selected, page = list(argv), None
+    if "--page" in selected:                   # --page PATH: also write the docs' results page
+        at = selected.index("--page")
+        page = selected[at + 1] if at + 1 < len(selected) else None
+        del selected[at:at + 2]
+        if page is None:
+            print("--page needs a path, e.g. --page docs/results/gpu-check.md", file=sys.stderr)
+            return 2
     faulthandler.dump_traceback_later(BUDGET_S, exit=True)   # never outlive the time budget
     wanted = os.environ.get("DYNARESIZE_GPU_CHECK_DEVICE", "cuda")
     device = "cpu" if wanted == "cpu" else ("cuda" if torch.cuda.is_available() else None)
@@ -585,6 +604,9 @@ def main(selected: list[str]) -> int:
         path = save(report)
     print_table(report["checks"])
     print(f"results: {path}", flush=True)
+    if page:
+        write_results_page(page, report, argv)
+        print(f"results page: {page}", flush=True)
     faulthandler.cancel_dump_traceback_later()
     return 1 if any(r["result"] == "FAIL" for r in report["checks"]) else 0
 
