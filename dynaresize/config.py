@@ -82,7 +82,7 @@ class WorkloadConfig:
     length_min: int = 4            # the shortest response
     length_max: int = 96           # the max response length (cap)
     length_max_schedule: list[Any] = field(default_factory=list)  # [[batch, cap], ...]: cap from that batch on
-    oversample: list[Any] = field(default_factory=list)           # [[batch, factor], ...]: linear (DAPO)
+    signal_share: list[Any] = field(default_factory=list)         # [[batch, share], ...]: simulated groups whose rewards differ (DAPO)
     mixture: list[Any] = field(default_factory=list)              # task presets ({length_median: ..}), rotating every mixture_block
     mixture_block: int = 10        # iterations a mixture's task lasts before the next one
 
@@ -91,6 +91,7 @@ class WorkloadConfig:
 class DataConfig:
     """Prompts from your own dataset (workload.task=dataset, preset workload=dataset; dynaresize/data/datasets.py)."""
     train_files: list[str] = field(default_factory=list)  # JSONL (one object per line) or Parquet files
+    val_files: list[str] = field(default_factory=list)    # held-out prompts for eval.* (the same formats and checks)
     prompt_key: str = "prompt"     # the field holding the prompt text
     answer_key: str = "answer"     # the field holding the reference answer (handed to the reward)
     apply_chat_template: bool = True   # wrap the prompt as a user message with the tokenizer's chat template
@@ -143,6 +144,10 @@ class TrainerConfig:
     # Work stealing (stealing.py): a rollout rank that has generated its share computes gradients of
     # micro-batches the train ranks have not taken yet; it keeps a float32 copy of the weights.
     work_stealing: bool = False
+    # DAPO's dynamic sampling: train only prompt groups whose rewards differ; rollout generates
+    # rounds of rollout.prompts_per_batch groups until that many differ (or filter_max_rounds)
+    filter_groups: bool = False
+    filter_max_rounds: int = 4     # rounds at most; then the batch trains with the groups it has (a warning)
 
 
 @dataclass
@@ -176,7 +181,8 @@ class RunConfig:
     seed: int = 1234               # every random draw is a function of it (sampling, prompts, shapes)
     mode: str = "real"             # real | emulate (| simulate, set by dynaresize-sim)
     output_dir: Optional[str] = None   # set by the launcher (the Hydra run directory)
-    checkpoint_every: int = 0      # iterations between checkpoints; 0: only on Slurm's warning
+    checkpoint_every: int = 10     # iterations between checkpoints (and one after the last); 0: only on Slurm's warning
+    resume: Optional[str] = None   # a run directory to continue: its config.yaml, your overrides on top
     save_model: bool = True        # write final_model/ (Hugging Face format) at the end
     report: bool = True            # write the analysis report (dynaresize-analyze) when the run ends
 
@@ -192,6 +198,24 @@ class SimOptions:
                                    # samples); without them the analysis counts tokens from rollout events
     flush_every: int = 64          # iterations buffered between timeline writes
     progress: bool = False         # print one line per iteration
+
+
+@dataclass
+class LogConfig:
+    """What rank 0 writes besides the per-iteration metrics (whose backends `logger` chooses)."""
+    generations_every: int = 5     # iterations between samples of generated text (0: never)
+    generations: int = 4           # (prompt, response, reward) rows each time: generations.jsonl, TensorBoard, wandb
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: the rollout ranks generate for held-out prompts with the current weights
+    (data.val_files, or the built-in task's held-out prompts) and rank 0 logs eval/*."""
+    every: int = 0                 # iterations between evaluations, from iteration 0, and after the last; 0: none
+    prompts: int = 32              # held-out prompts (the first rows of data.val_files; 0: all of them)
+    samples_per_prompt: int = 4    # k of pass@k
+    temperature: float = 1.0       # 0: greedy (one sample per prompt is then enough)
+    pass_reward: float = 1.0       # a sample passes with at least this reward (pass@k)
 
 
 @dataclass
@@ -211,6 +235,8 @@ class JobConfig:
     hardware: Optional[dict[str, Any]] = None
     # Where rank 0 writes per-iteration metrics: console (the progress line), tensorboard, wandb.
     logger: list[str] = field(default_factory=lambda: ["console"])
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sim: SimOptions = field(default_factory=SimOptions)
 
     @property

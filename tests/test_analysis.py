@@ -308,8 +308,9 @@ def test_compare_multirun(tmp_path, capsys):
     rows = [line.split() for line in out.splitlines()]
     runs = [r for r in rows if r and r[0] in ("0", "1", "2")]
     assert [r[0] for r in runs] == ["0", "1", "2"]
-    assert [r[1] for r in runs] == ["static", "static", "threshold"]
-    assert [r[2] for r in runs] == ["1/3", "2/2", "2/2"]
+    assert [r[1:3] for r in runs] == [["static", "1"], ["static", "2"], ["threshold", "-"]]   # the swept overrides
+    assert [r[3] for r in runs] == ["static", "static", "threshold"]
+    assert [r[4] for r in runs] == ["1/3", "2/2", "2/2"]
     best_dynamic, best_static = 100 / 7, 100 / 8
     assert f"dynamic/best static throughput: {best_dynamic / best_static:.3f}" in out
     assert "oracle" not in out
@@ -317,6 +318,8 @@ def test_compare_multirun(tmp_path, capsys):
     df = analysis.compare(root)
     assert df["tokens_per_s"].tolist() == pytest.approx([100 / 10, 100 / 8, 100 / 7])
     assert df["overrides"].tolist()[0] == "policy=static policy.train_ranks=1"
+    assert df["policy.train_ranks="].tolist() == ["1", "2", "-"] and df["policy="].tolist()[2] == "threshold"
+    assert df[["final_reward", "eval_reward"]].columns.tolist() == ["final_reward", "eval_reward"]
     r = analysis.ratios(df)
     assert r["dynamic_vs_best_static"] == pytest.approx(best_dynamic / best_static)   # 8/7
     assert r["best_static"] == "1" and r["best_dynamic"] == "2"

@@ -128,7 +128,7 @@ def test_reward_errors_name_the_sample_and_follow_the_policy(user_files, tmp_pat
                    "that does not import", "exit 2 before any rank starts, naming the field, the row and the fix")
 def test_bad_dataset_or_reward_is_refused_before_any_rank_starts(user_files, static_dataset_run, tmp_path):
     proc = run_cli(tmp_path / "bad", *user_args(user_files), "data.prompt_key=problem", check=False)
-    assert proc.returncode == 2 and "data.prompt_key: row 0 has no field 'problem'" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "data.prompt_key: row 0 of data.train_files has no field 'problem'" in proc.stderr, proc.stderr
     assert not (tmp_path / "bad" / "config.yaml").exists()                 # no rank started
 
     # The same checks in this process (what the launcher runs before starting the ranks).

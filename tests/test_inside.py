@@ -27,7 +27,7 @@ def h100(max_num_seqs=None) -> CostModel:
 
 
 def lengths(prompts, responses) -> Lengths:
-    return Lengths(np.asarray(prompts, np.int64), np.asarray(responses, np.int64), len(prompts))
+    return Lengths(np.asarray(prompts, np.int64), np.asarray(responses, np.int64), np.arange(len(prompts)))
 
 
 @pytest.mark.parametrize("slots", [None, 3])       # 3 slots: the ranks queue their sequences

@@ -2,6 +2,7 @@
 backends really write, read back with their own readers."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -73,11 +74,19 @@ def test_iteration_metrics_hand_made():
         "bubble/train": 7 / 20,
         "bubble/rollout": 2 / 20,
         "throughput/tokens_per_s": 80.0,          # (300 + 500) rollout tokens / 10 s
+        "response/truncated": 1.0,                # `finished` not given: every response counts as cut
     }
     assert set(m) == set(expected)
     for key, value in expected.items():
         assert m[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
         assert isinstance(m[key], float), key
+
+
+def test_truncated_responses_are_those_not_ended_by_an_eos_token():
+    samples = SAMPLES + [Sample(batch=0, index=5, prompt=5, rank=2, prompt_tokens=[1], response=[7, 7, 2],
+                                logprobs=[0.0] * 3, length_cap=3, reward=0.0)]
+    m = iteration_metrics(EVENTS, samples, START, END, ROLES, 2, 2, finished=lambda tokens: tokens[-1] == 7)
+    assert m["response/truncated"] == pytest.approx(1 / 6, abs=1e-12)
 
 
 def test_iteration_metrics_without_samples_and_colocated():
@@ -142,9 +151,15 @@ def test_wandb_offline(tmp_path, monkeypatch):
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "home" / var))
     logger = MetricsLogger(["wandb"], str(tmp_path), config={"seed": 1}, run_name="test")
+    rows = [{"iteration": 0, "sample": 0, "prompt": "12=", "response": "21", "reward": 1.0}]
     for it in range(3):
+        if it == 0:
+            logger.log_generations(it, rows)           # a wandb Table, and generations.jsonl
         logger.log(it, {"reward/mean": 0.1 * it, "time/iteration": 1.0})
     logger.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb")), sorted(p.name for p in runs[0].iterdir())
+    tables = list(runs[0].rglob("generations_0_*.table.json"))
+    assert tables and json.loads(tables[0].read_text())["data"] == [[0, 0, "12=", "21", 1.0]]
+    assert [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()] == rows

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import run_cli
 
-# 9 loop iterations (8 + lag 1): 4 resizes growing training and 4 shrinking it.
+# 8 iterations and the pipeline's drain (lag 1): 4 resizes growing training and 4 shrinking it.
 SCHEDULE = "[1,3,2,3,1,2,1,3,2]"
 
 
@@ -156,3 +156,32 @@ def test_rank_killed_mid_switch_fails_fast_naming_rank_and_operation(tmp_path):
     assert "rank 1 died" in proc.stderr and "'stage_out'" in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s"
     assert os.listdir(scratch) == [], "staging directory left behind after the failure"
+
+
+def test_dynamic_sampling_trains_the_groups_whose_rewards_differ_and_resizes_change_nothing(tmp_path):
+    """trainer.filter_groups (DAPO's dynamic sampling) on short responses, where many prompt groups
+    score all alike: rollout generates rounds of new groups until 8 differ, every round on the
+    timeline; each batch trains exactly its first 8 differing groups; and with resizes in between
+    the samples and the final weights are the static run's."""
+    common = ["trainer.filter_groups=true", "workload.length_median=3", "workload.length_growth=0",
+              "workload.length_max=8", "run.iterations=4", "run.report=false"]
+    static, scripted = tmp_path / "static", tmp_path / "scripted"
+    run_cli(static, *common, "policy.train_ranks=2")
+    run_cli(scripted, *common, "policy=scripted", "policy.schedule=[1,2,1,3]")
+    assert resizes(scripted)[0] == [1, 2, 1, 3, 3]                  # the drain holds the last entry
+    assert_same_rl(scripted, static)
+    data, _ = timeline(static)
+    samples, events = data["samples"], data["events"]
+    rounds = {}
+    for e in events[events["name"] == b"rollout"]:
+        rounds.setdefault(int(e["iteration"]), set()).add(json.loads(e["attrs"])["round"])
+    assert max(len(r) for r in rounds.values()) >= 2, rounds         # some batch took more rounds
+    for b in range(4):
+        mine = samples[samples["batch"] == b]
+        differ = sorted(p for p in set(mine["prompt"].tolist()) if len(set(mine["reward"][mine["prompt"] == p])) > 1)
+        assert len(set(mine["prompt"].tolist())) == 8 * len(rounds[b]) and len(differ) >= 8
+        trained = mine[np.isin(mine["prompt"], differ[:8])]
+        want = int((trained["prompt_len"] + trained["response_len"]).sum())
+        got = int(events["tokens"][(events["name"] == b"train")
+                                   & (events["iteration"] == b + 1)].sum())    # batch b trains in iteration b + 1
+        assert got == want, (b, got, want)

@@ -7,8 +7,11 @@ import json
 import os
 import stat
 
+import subprocess
+import sys
+
 import pytest
-from conftest import run_cli
+from conftest import ROOT, _env, run_cli
 
 COMMON = ("run.iterations=3", "run.checkpoint_every=1", "run.report=false", "run.save_model=false")
 
@@ -24,7 +27,8 @@ def test_checkpoint_is_private_data_and_resume_refuses_a_changed_computation(tmp
     run_cli(run, *COMMON)
     ckpt = sorted((run / "checkpoints").glob("iter-*"))[-1]           # the newest only is kept
     state = json.loads((ckpt / "state.json").read_text())            # data, no pickles
-    assert state["iteration"] == 3 and state["format"] == 2 and len(state["run_id"]) == 16
+    # the newest is the last iteration's (the pipeline's drain, iteration 3, checkpoints nothing)
+    assert state["iteration"] == 2 and state["format"] == 2 and len(state["run_id"]) == 16
     assert not list(ckpt.rglob("*.pkl"))
     shards = list(ckpt.rglob("rank*.h5"))
     assert shards and mode(ckpt) == 0o700
@@ -40,3 +44,55 @@ def test_checkpoint_is_private_data_and_resume_refuses_a_changed_computation(tmp
     os.replace(ckpt / "state.json", ckpt / "state.pkl")               # what the previous format wrote
     proc = run_cli(run, *COMMON, check=False)
     assert proc.returncode == 2 and "older DynaResize (state.pkl" in proc.stderr, proc.stderr
+
+
+def resume(run_dir, *overrides, check=True) -> subprocess.CompletedProcess:
+    """`dynaresize run.resume=RUN_DIR OVERRIDES` (no Hydra run directory: the run's own)."""
+    proc = subprocess.run([sys.executable, "-m", "dynaresize.launch.cli", f"run.resume={run_dir}", *overrides],
+                          capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_a_finished_run_says_so_and_continues_exactly_with_more_iterations(tmp_path):
+    """Checkpoints are on by default and one follows the last iteration: launched again, a
+    finished run says it is complete (exit 0, nothing written); `run.resume` with a larger
+    run.iterations continues it from the configuration it ran with, to the samples and weights of
+    one run that long."""
+    import h5py
+    from safetensors.torch import load_file
+
+    short, whole = tmp_path / "short", tmp_path / "whole"
+    run_cli(short, "run.iterations=3", "policy.train_ranks=2")
+    assert sorted(p.name for p in (short / "checkpoints").iterdir()) == ["iter-000002"]
+    timeline = (short / "timeline.h5").read_bytes()
+
+    again = run_cli(short, "run.iterations=3", "policy.train_ranks=2")
+    assert f"{short} is a finished run of 3 iterations: nothing to do" in again.stdout, again.stdout
+    assert "starting" not in again.stdout and (short / "timeline.h5").read_bytes() == timeline
+    assert "nothing to do" in resume(short).stdout                          # its own config: 3
+
+    proc = resume(short, "run.iterations=5")
+    assert "resumed from" in proc.stdout and "iterations 0-2 done" in proc.stdout, proc.stdout
+    assert "iter   3 (4/5)" in proc.stdout and "5 iterations and the pipeline's drain" in proc.stdout
+    run_cli(whole, "run.iterations=5", "policy.train_ranks=2")
+    digests = []
+    for run in (short, whole):
+        with h5py.File(run / "timeline.h5", "r") as f:
+            s = f["samples"][...]
+            digests.append(sorted(zip(s["batch"].tolist(), s["index"].tolist(), s["digest"].tolist())))
+            assert sorted(set(f["iterations"]["iteration"].tolist())) == list(range(6))
+    assert digests[0] == digests[1] and len(digests[0]) == 5 * 32
+    a = load_file(short / "final_model" / "model.safetensors")
+    b = load_file(whole / "final_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+def test_run_resume_takes_fields_only(tmp_path):
+    proc = resume(tmp_path / "nothing", check=False)
+    assert proc.returncode == 2 and "holds no config.yaml" in proc.stderr, proc.stderr
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("run:\n  iterations: 2\n")
+    proc = resume(run, "policy=static", check=False)
+    assert proc.returncode == 2 and "only fields can change" in proc.stderr and "policy=static" in proc.stderr

@@ -259,7 +259,7 @@ def test_the_expected_oracle_never_reads_the_lengths_it_is_about_to_generate(tmp
 
     def longer(b):
         s = sim.batch(b)
-        sim._batches[b] = BatchShape(s.digits, s.context_lens, s.prompt_lens, s.response_lens * 3, s.trained_prompts)
+        sim._batches[b] = BatchShape(s.digits, s.context_lens, s.prompt_lens, s.response_lens * 3, s.trained)
 
     true0, blind0 = predictions()
     longer(3)                                           # the batch iteration 3 generates

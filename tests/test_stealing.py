@@ -103,7 +103,7 @@ def test_work_stealing_keeps_the_rl_exact(static_run, static_lag0_run, tmp_path)
             "trainer.work_stealing=true")
     assert_same_rl(scripted, static_dir, exact=True)
     last = steals(scripted)
-    # the last iteration only trains: its rollout ranks (2 and 3; rank 2 trained in iteration 7) help
+    # the pipeline's drain only trains: its rollout ranks (2 and 3; rank 2 trained in iteration 7) help
     assert 8 in set(last["iteration"].tolist()), last
 
 

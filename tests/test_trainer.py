@@ -111,3 +111,46 @@ def test_trainer_spreads_micro_batches_by_tokens(checkpoint):
     tokens = np.array([micro_batch_tokens(mb) for mb in mbs])
     assert owners == assign_micro_batches(tokens, 3).tolist()
     assert owners != [j % 3 for j in range(len(mbs))]
+
+
+def test_training_metrics_of_a_step(checkpoint):
+    """The train/* metrics from the trainer's sums: on-policy (the behaviour log-probs are the
+    model's own) the ratio is 1 everywhere, nothing is clipped and KL(behaviour || policy) is 0;
+    with log-probs moved by 0.5 per token the ratio is e^0.5 on every token and every token is
+    clipped; the entropy lies in (0, log V]; the policy loss and the loss agree with the loss the
+    gradient came from."""
+    import math
+
+    from dynaresize.analysis.metrics import train_step_metrics
+    from dynaresize.runtime.trainer import batch_figures
+    samples = make_samples()
+    t = trainer(checkpoint, recompute_logprobs=True)
+    _, info = t.compute_gradient(samples)
+    m = train_step_metrics(info["sums"], {"grad_norm": info["grad_norm"], **batch_figures(samples)})
+    assert m["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["train/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert m["train/clip_fraction"] == 0.0 and abs(m["train/kl_behaviour"]) < 1e-6
+    vocab = t.model.config.vocab_size
+    assert 0.0 < m["train/entropy"] <= math.log(vocab) + 1e-6
+    assert m["train/loss"] == pytest.approx(info["loss"], rel=1e-12)
+    assert m["train/policy_loss"] == pytest.approx(info["loss"], rel=1e-6)        # no KL term (float32 sums)
+    assert info["sums"]["tokens"] == sum(len(s.response) for s in samples)
+    # GRPO advantages are normalised per group: mean 0; these groups all have reward variance
+    assert m["train/advantage_mean"] == pytest.approx(0.0, abs=1e-9) and m["train/zero_variance_groups"] == 0.0
+
+    off = trainer(checkpoint)
+    behaviour = own_logprobs(off, samples)
+    shifted = with_logprobs(samples, [[lp - 0.5 for lp in s] for s in behaviour])   # ratio e^0.5 > 1 + 0.2
+    _, info = off.compute_gradient(shifted)
+    m = train_step_metrics(info["sums"], {})
+    assert m["train/ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-3)
+    assert m["train/kl_behaviour"] == pytest.approx(math.exp(-0.5) + 0.5 - 1, rel=1e-2)   # k3 of log r = -0.5
+    positive = sum(len(s.response) for s in samples if off_advantage(samples, s) > 0)
+    assert m["train/clip_fraction"] == pytest.approx(positive / info["sums"]["tokens"], abs=1e-9)
+
+    equal = [dataclasses.replace(s, reward=1.0) if s.prompt == 0 else s for s in samples]
+    assert batch_figures(equal)["zero_variance_groups"] == 0.25
+
+
+def off_advantage(samples, s) -> float:
+    from dynaresize.runtime.trainer import group_advantages
+    return group_advantages(samples)[s.index]

@@ -12,7 +12,7 @@ from dynaresize.launch.validate import load_config
 from dynaresize.plan.placement import place_prompts, placement_lists
 from dynaresize.plan.roles import Role, RoleTable
 from dynaresize.runtime.rollout.torch_engine import sample_token
-from dynaresize.data.shapes import batch_shape, generated_prompts, response_cap
+from dynaresize.data.shapes import batch_shape, filtered_shape, response_cap, signal_share
 from dynaresize.data.workload import make_batch, sample_seed
 
 
@@ -70,23 +70,39 @@ def test_workload_is_a_pure_function_of_seed_and_batch():
     assert [list(p.response_lens) for p in a] == shape.response_lens.tolist()
 
 
-def test_workload_schedules_oversampling_and_mixtures():
+def test_workload_schedules_and_mixtures():
     w = WorkloadConfig(length_median=500, length_max=1000, length_max_schedule=[[0, 1000], [5, 3000]],
-                       oversample=[[0, 1.5], [10, 3.0]], prompt_median=50, prompt_sigma=0.3, prompt_max=80,
+                       prompt_median=50, prompt_sigma=0.3, prompt_max=80,
                        mixture=[{"length_median": 2000}, {"length_median": 50, "prompt_median": 10}],
                        mixture_block=2)
     assert [response_cap(w, b) for b in (0, 4, 5, 99)] == [1000, 1000, 3000, 3000]
-    assert [generated_prompts(w, b, 10) for b in (0, 10, 20)] == [15, 30, 30]
     s0, s2, s6 = (batch_shape(w, 1, b, 10, 4) for b in (0, 2, 6))
-    assert s0.prompts == 15 and s0.trained_prompts == 10
+    assert s0.prompts == 10 and s0.trained.tolist() == list(range(10)) and s0.rounds == ()
     assert s0.response_lens.max() <= 1000 and (s0.response_lens == 1000).mean() > 0.5   # cut at the cap
     assert np.median(s2.response_lens) < 100 and np.median(s6.response_lens) < 100       # the short task
     assert s6.response_lens.max() <= 3000 and np.median(s0.prompt_lens) > np.median(s2.prompt_lens)
     assert 0 < s0.prompt_lens.min() and s0.prompt_lens.max() <= 80 + 8 + 2
 
 
+def test_dynamic_sampling_rounds_as_the_simulator_draws_them():
+    """filtered_shape: rounds of prompts_per_batch new groups (round 0: the plain batch), each
+    group's rewards differing with the workload's signal share, until enough differ; the trainer
+    takes the first prompts_per_batch of those; at most max_rounds rounds."""
+    w = WorkloadConfig(length_median=50, length_max=200, signal_share=[[0, 0.8], [10, 0.2]])
+    plain = batch_shape(w, 1, 0, 100, 4)
+    assert signal_share(w, 5) == pytest.approx(0.5)
+    early, late = filtered_shape(w, 1, 0, 100, 4, 6), filtered_shape(w, 1, 10, 100, 4, 6)
+    assert early.rounds == (100, 100) and np.array_equal(early.prompt_lens[:100], plain.prompt_lens)
+    assert early.trained_prompts == 100 and early.trained.max() >= 100       # some groups of round 1 are kept
+    assert not np.array_equal(early.response_lens[:100], early.response_lens[100:])   # a round of its own
+    assert len(late.rounds) in (5, 6) and late.trained_prompts <= 100
+    capped = filtered_shape(w, 1, 10, 100, 4, 2)
+    assert capped.rounds == (100, 100) and capped.trained_prompts < 100         # short after max_rounds
+    assert np.array_equal(filtered_shape(w, 1, 10, 100, 4, 1).response_lens, batch_shape(w, 1, 10, 100, 4).response_lens)
+
+
 def test_workload_validation_names_the_field():
-    for bad, field in (({"oversample": [[0, 0.5]]}, "workload.oversample"),
+    for bad, field in (({"signal_share": [[0, 1.5]]}, "workload.signal_share"),
                        ({"length_max_schedule": [[5, 100], [2, 200]]}, "workload.length_max_schedule"),
                        ({"mixture": [{"length_mean": 3}]}, "workload.mixture[0]"),
                        ({"prompt_median": 10.0}, "workload.prompt_max"),

@@ -70,7 +70,7 @@ CASES = {
     "grad_clip": (["trainer.grad_clip=-1"], "trainer.grad_clip", ["0 to turn clipping off"]),
     "length_growth": (["workload.length_growth=-1"], "workload.length_growth", []),
     "schedule_too_long": (["policy=scripted", "policy.schedule=[1,2,3,1,2]", "run.iterations=3"],
-                          "policy.schedule", ["run.iterations + run.max_lag"]),
+                          "policy.schedule", ["only 4 steps (run.iterations and"]),
     "schedule_not_scripted": (["policy=static", "policy.schedule=[1,2]"], "policy.schedule", ["scripted"]),
     "pricing_workers_negative": (["policy.pricing_workers=-1"], "policy.pricing_workers", ["number of processes"]),
     "simulator_only_policy": (["policy.name=oracle"], "policy.name",
@@ -132,7 +132,7 @@ def test_valid_values_at_the_edges_pass(tmp_path, hf_checkpoint):
 
     valid = ["trainer.betas=[0.0,0.5]", "trainer.eps=1e-6", "trainer.weight_decay=0", "trainer.grad_clip=0",
              "workload.length_growth=-0.5", "model.dtype=bfloat16", "policy=scripted",
-             "policy.schedule=[1,2,3,1]", "run.iterations=3",        # 3 + max_lag 1: 4 splits, all used
+             "policy.schedule=[1,2,3,1]", "run.iterations=3",        # 3 + the drain: 4 splits, all used
              f"cluster.local_scratch={tmp_path}", f"model.path={hf_checkpoint(4096)}"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = load_config(compose("config", valid))

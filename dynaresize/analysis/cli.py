@@ -39,6 +39,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-iterations", metavar="FIRST:LAST", type=_iteration_range,
                    help="put only these iterations (inclusive) in trace.json")
     p.add_argument("--quiet", action="store_true", help="print only the report location")
+    p.add_argument("--page", metavar="PATH", help="also write the run's learning curves as a results page "
+                                                "(Markdown, with learning.png beside it)")
     p.add_argument("--follow", action="store_true",
                    help="follow a running job: print one line per new iteration until the run "
                         "completes (writes no report)")
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "plan":
             return _plan(_plan_parser().parse_args(argv[1:]))
         args = _run_parser().parse_args(argv)
+        args.argv = argv
         if args.follow:
             from .follow import follow
             return follow(args.path, interval=args.interval, timeout=args.timeout)
@@ -123,6 +126,9 @@ def _report(args) -> int:
               f"writes a smaller one", file=sys.stderr)
     folder = Path(next(iter(files.values()))).parent
     print(f"\nreport written to {folder}: {', '.join(files)}")
+    if args.page:
+        from .report import write_learning_page
+        print(f"results page: {write_learning_page(tl, args.page, ['dynaresize-analyze', *args.argv])}")
     return 0
 
 

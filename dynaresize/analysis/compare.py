@@ -22,8 +22,8 @@ from .metrics import run_metrics
 
 COLUMNS = ["run", "policy", "kind", "split", "final_split", "tokens_per_s", "samples_per_s",
            "total_time_s", "iterations", "bubble_train", "bubble_rollout", "bubble_all",
-           "resizes", "switch_ops", "switch_critical_s", "hidden_share", "complete",
-           "overrides", "path"]
+           "resizes", "switch_ops", "switch_critical_s", "hidden_share", "mean_reward", "final_reward",
+           "eval_reward", "eval_pass", "complete", "overrides", "path"]
 
 
 def _natural_key(path: Path):
@@ -100,7 +100,19 @@ def compare(paths, errors: list | None = None) -> pd.DataFrame:
             m["run"] = name if name != "." else tl.name
             m["overrides"] = hydra_overrides(timeline)
             rows.append({c: m.get(c) for c in COLUMNS})
-    return pd.DataFrame(rows, columns=COLUMNS)
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    swept = swept_overrides(df["overrides"])
+    return pd.concat([df, swept], axis=1) if not swept.empty else df
+
+
+def swept_overrides(overrides: pd.Series) -> pd.DataFrame:
+    """The overrides that differ between the runs (a sweep's axes): one column per key, named
+    `key=` (`+key=value` counts as key), holding the run's value, or "-" without one."""
+    parsed = [dict(item.lstrip("+~").split("=", 1) for item in str(text).split() if "=" in item)
+              for text in overrides]
+    keys = list(dict.fromkeys(k for p in parsed for k in p))
+    varying = [k for k in keys if len({p.get(k, "-") for p in parsed}) > 1]
+    return pd.DataFrame({f"{k}=": [p.get(k, "-") for p in parsed] for k in varying}, index=overrides.index)
 
 
 def _best(df: pd.DataFrame, kind: str):
@@ -127,10 +139,12 @@ def ratios(df: pd.DataFrame) -> dict:
 
 
 def format_table(df: pd.DataFrame) -> str:
-    """The comparison as a fixed-width text table."""
-    shown = df[["run", "policy", "split", "final_split", "tokens_per_s", "samples_per_s",
+    """The comparison as a fixed-width text table: the swept overrides first, then the systems
+    columns, then the RL's (the final reward, the last evaluation's)."""
+    swept = [c for c in df.columns if c not in COLUMNS]
+    shown = df[["run", *swept, "policy", "split", "final_split", "tokens_per_s", "samples_per_s",
                 "total_time_s", "bubble_train", "bubble_rollout", "resizes", "switch_critical_s",
-                "hidden_share"]].copy()
+                "hidden_share", "final_reward", "eval_reward", "eval_pass"]].copy()
 
     def pct(x):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
@@ -140,5 +154,6 @@ def format_table(df: pd.DataFrame) -> str:
                                   "hidden_share": "hidden", "final_split": "final"})
     formatters = {"tokens/s": "{:.1f}".format, "samples/s": "{:.2f}".format,
                   "time_s": "{:.2f}".format, "crit_switch_s": "{:.2f}".format,
-                  "bubble_train": pct, "bubble_rollout": pct, "hidden": pct}
+                  "bubble_train": pct, "bubble_rollout": pct, "hidden": pct,
+                  "final_reward": "{:.3f}".format, "eval_reward": "{:.3f}".format, "eval_pass": pct}
     return shown.to_string(index=False, formatters=formatters, na_rep="-")

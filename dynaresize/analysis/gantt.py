@@ -40,6 +40,7 @@ STAGE_COLORS = {
     "exchange": "#8c8c8c",
     "steal": "#a65200",       # train work on a rank outside the train group (work stealing)
     "migrate": "#17becf",     # a rollout rank handing its last sequences to a tail rank
+    "eval": "#bcbd22",        # generating for the held-out prompts (eval.every)
     "other": "#8c564b",       # schema.OTHER: startup, decide, checkpoint
 }
 ROLE_TINTS = {"rollout": "#d5e5f4", "train": "#fde2c4", "both": "#d7efd1", "none": "#eeeeee"}

@@ -26,9 +26,10 @@ _STRING_COLUMNS = {
     "iterations": (),
     "samples": (),
     "decisions": ("action", "reason", "attrs"),
+    "metrics": ("name",),
 }
 # Decoded to pandas categoricals (few distinct values, millions of rows).
-_CATEGORICAL_COLUMNS = {("events", "role"), ("events", "name")}
+_CATEGORICAL_COLUMNS = {("events", "role"), ("events", "name"), ("metrics", "name")}
 
 
 @dataclass
@@ -46,6 +47,8 @@ class Timeline:
         samples: one row per generated sample (``schema.SAMPLE_DTYPE``).
         decisions: one row per policy decision (``schema.DECISION_DTYPE``); ``action``, ``reason``
             and ``attrs`` are str.
+        metrics: one row per (iteration, metric) the run's loggers got (``schema.METRIC_DTYPE``,
+            long format; empty for a simulated run or a file of schema version 1).
         config_text: the config attribute as written (YAML).
     """
 
@@ -55,6 +58,7 @@ class Timeline:
     iterations: pd.DataFrame
     samples: pd.DataFrame
     decisions: pd.DataFrame
+    metrics: pd.DataFrame
     config_text: str = ""
     # Results of expensive computations (interval unions), filled by dynaresize.analysis.metrics.
     cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -129,7 +133,7 @@ def load_timeline(path: str | os.PathLike, event_attrs: bool = True) -> Timeline
             tables = {}
             for name in schema.DATASETS:
                 skip = () if (name != "events" or event_attrs) else ("attrs",)
-                tables[name] = _read_dataset(f[name], name, skip)
+                tables[name] = _read_dataset(f, name, skip)
         except TimelineError:
             raise
         except (OSError, KeyError, ValueError, TypeError) as e:
@@ -142,13 +146,17 @@ def load_timeline(path: str | os.PathLike, event_attrs: bool = True) -> Timeline
     return Timeline(path=str(path), attrs=attrs, config_text=config_text, **tables)
 
 
-def _read_dataset(dataset: h5py.Dataset, name: str, skip: tuple = ()) -> pd.DataFrame:
-    missing = [f for f in schema.DATASETS[name].names if f not in (dataset.dtype.names or ())]
-    if missing:
-        raise TimelineError(f"{dataset.file.filename}: dataset {name} lacks the fields {missing} "
-                            f"of schema version {schema.SCHEMA_VERSION}")
-    fields = [f for f in dataset.dtype.names if f not in skip]
-    data = dataset.fields(fields)[...] if skip else dataset[...]
+def _read_dataset(f: h5py.File, name: str, skip: tuple = ()) -> pd.DataFrame:
+    if name not in f:                      # a dataset newer than the file's schema version (checked)
+        data, fields = schema.dataset(f, name), list(schema.DATASETS[name].names)
+    else:
+        dataset = f[name]
+        missing = [c for c in schema.DATASETS[name].names if c not in (dataset.dtype.names or ())]
+        if missing:
+            raise TimelineError(f"{f.filename}: dataset {name} lacks the fields {missing} "
+                                f"of schema version {schema.SCHEMA_VERSION}")
+        fields = [c for c in dataset.dtype.names if c not in skip]
+        data = dataset.fields(fields)[...] if skip else dataset[...]
     columns = {}
     for column in fields:
         values = data[column]

@@ -68,6 +68,32 @@ The policy's own time
     run's time. A real run's time includes the decisions (every rank waits for them); a
     simulated run's time leaves them out.
 
+Training metrics (train/*, of the batch trained in the iteration)
+    From the train step's own numbers, summed over its micro-batches on every rank that computed
+    some (train ranks and work-stealing helpers) and averaged over the batch's response tokens:
+    ``train/policy_loss`` the clipped surrogate loss -min(r A, clip(r) A), with r the ratio of
+    the policy's to the behaviour policy's token probability and A the GRPO advantage;
+    ``train/loss`` the loss the step minimised (the policy loss plus ``trainer.kl_coef`` x KL);
+    ``train/kl_ref`` the k3 estimate of KL(policy || reference) (only with trainer.kl_coef > 0);
+    ``train/kl_behaviour`` the k3 estimate of KL(behaviour || policy), how far the weights moved
+    from those that generated the batch; ``train/entropy`` the entropy of the policy's next-token
+    distribution; ``train/clip_fraction`` the share of tokens whose clipped term was the larger
+    loss; ``train/ratio_mean`` and ``train/ratio_max`` the ratio's mean and maximum. Of the whole
+    step: ``train/grad_norm`` the global gradient norm before clipping, ``train/grad_norm_clipped``
+    after it (``trainer.grad_clip``), ``train/lr`` the learning rate, ``train/advantage_mean`` and
+    ``train/advantage_std`` over the batch's samples, ``train/zero_variance_groups`` the share of
+    its prompt groups whose rewards are all equal (they carry no signal in GRPO).
+
+Evaluation metrics (eval/*, in the iterations that evaluate: eval.every)
+    Over the held-out prompts, each generated `eval.samples_per_prompt` = k times with the weights
+    of the iteration's weight sync: ``eval/reward_mean`` the mean reward of every sample,
+    ``eval/pass@k`` the share of prompts with at least one of their k samples at
+    ``eval.pass_reward`` or more, ``eval/response_length_mean`` the mean response length.
+
+Generation metrics (of the samples generated in the iteration)
+    ``reward/mean``, ``reward/std``, response and prompt lengths, and ``response/truncated``: the
+    share of responses cut at the length cap (not ended by the model's end-of-sequence token).
+
 Over 400 lines on purpose: the definitions above and the only code that computes them stay side
 by side, so that a reader checks one against the other in one file.
 """
@@ -288,6 +314,47 @@ def rollout_tokens(tl: Timeline) -> pd.Series:
     return ev.groupby("iteration")["tokens"].sum()
 
 
+def train_step_metrics(sums: dict[str, float], step: dict[str, float]) -> dict[str, float]:
+    """The train/* metrics of one step (module docs) from `sums`, its per-token sums over every
+    micro-batch (the trainer's: tokens, policy_loss, kl_behaviour, entropy, clipped, ratio,
+    ratio_max, kl_ref; loss: the step's loss, already normalised by the batch's tokens), and
+    `step`, its step-wide figures (grad_norm, grad_norm_clipped, lr, advantage_mean,
+    advantage_std, zero_variance_groups)."""
+    tokens = sums.get("tokens", 0.0)
+    if tokens <= 0:
+        return {}
+    out = {f"train/{key}": sums[key] / tokens for key in ("policy_loss", "kl_behaviour", "entropy", "kl_ref")
+           if key in sums}
+    out["train/loss"] = sums.get("loss", math.nan)
+    out["train/clip_fraction"] = sums["clipped"] / tokens
+    out["train/ratio_mean"] = sums["ratio"] / tokens
+    out["train/ratio_max"] = sums["ratio_max"]
+    out.update({f"train/{key}": float(value) for key, value in step.items()})
+    return out
+
+
+RL_METRICS = ("train/", "eval/", "response/")     # logged by the run, not derived from its events
+
+
+def logged_metrics(tl: Timeline) -> pd.DataFrame:
+    """The metrics the run's loggers got (the timeline's `metrics` dataset), one row per
+    iteration (index), one column per metric; empty for a simulated run."""
+    m = tl.metrics
+    if m.empty:
+        return pd.DataFrame(index=pd.Index([], name="iteration"))
+    wide = m.pivot_table(index="iteration", columns="name", values="value", aggfunc="last", observed=True)
+    wide.columns = [str(c) for c in wide.columns]
+    return wide
+
+
+def eval_metrics(rewards: np.ndarray, lengths: np.ndarray, pass_reward: float) -> dict[str, float]:
+    """The eval/* metrics (module docs) of `rewards` and response `lengths`, arrays [prompts, k]."""
+    k = rewards.shape[1]
+    return {"eval/reward_mean": float(rewards.mean()),
+            f"eval/pass@{k}": float((rewards.max(axis=1) >= pass_reward).mean()),
+            "eval/response_length_mean": float(lengths.mean())}
+
+
 def hidden_share(total: float, critical: float) -> float:
     """1 - critical / total, NaN if there is no switch work."""
     return 1.0 - critical / total if total > 0 else math.nan
@@ -301,7 +368,8 @@ def iteration_metrics(tl: Timeline) -> pd.DataFrame:
     switch_critical_s, switch_hidden_s, hidden_share, bubble_train, bubble_rollout, bubble_both
     (NaN where no rank has that role), samples, tokens, tokens_per_s, samples_per_s,
     mean_reward, mean_response_len, p99_response_len, decision, decision_reason,
-    decision_to_train (the decision taken at the end of the iteration, if any).
+    decision_to_train (the decision taken at the end of the iteration, if any); then the RL's own
+    metrics the run logged (train/*, eval/*, response/truncated: `logged_metrics`), if any.
     """
     if "iteration_metrics" in tl.cache:
         return tl.cache["iteration_metrics"].copy()
@@ -350,6 +418,9 @@ def iteration_metrics(tl: Timeline) -> pd.DataFrame:
     out["decision"] = dec["action"]
     out["decision_reason"] = dec["reason"]
     out["decision_to_train"] = dec["to_train"].astype("Int64")
+    logged = logged_metrics(tl)
+    rl = [c for c in logged.columns if c.startswith(RL_METRICS)]
+    out = out.join(logged[rl].reindex(index)) if rl else out
     out = out.reset_index(drop=True)
     tl.cache["iteration_metrics"] = out
     return out.copy()
@@ -403,7 +474,9 @@ def run_metrics(tl: Timeline) -> dict:
     bubble_all, switch_ops, switch_total_s, switch_critical_s, switch_hidden_s, hidden_share,
     resizes, prediction_error_median (median |predicted / measured - 1| of the next iteration's
     time, see predictions), decisions, decide_s_median, decide_s_total, decide_share (their
-    total / total_time_s), outside_iterations_s, gpu_time.
+    total / total_time_s), outside_iterations_s, gpu_time; the RL's: final_reward (the mean reward
+    of the last quarter of the iterations that generated), eval_reward and eval_pass (the last
+    evaluation's eval/reward_mean and eval/pass@k; NaN without one).
     """
     its = iteration_metrics(tl)
     sp = spans(tl)
@@ -467,6 +540,15 @@ def run_metrics(tl: Timeline) -> dict:
                                  if n else math.nan),
         "gpu_time": gpu_time(tl),
     })
+    generating = sp.loc[sp["generated_batch"] >= 0, "iteration"].to_numpy()
+    last = generating[-max(1, len(generating) // 4):]
+    rewards = samples.loc[np.isin(samples["iteration"].to_numpy(), last), "reward"]
+    out["final_reward"] = float(rewards.astype(np.float64).mean()) if len(rewards) else math.nan
+    logged = logged_metrics(tl)
+    for key, prefix in (("eval_reward", "eval/reward_mean"), ("eval_pass", "eval/pass@")):
+        column = next((c for c in logged.columns if c.startswith(prefix)), None)
+        values = logged[column].dropna() if column else pd.Series(dtype=float)
+        out[key] = float(values.iloc[-1]) if len(values) else math.nan
     return out
 
 

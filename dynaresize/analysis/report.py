@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 
 from .gantt import gantt
+from dynaresize.timeline.schema import TimelineError
+
 from .load import Timeline
 from .metrics import decisions, iteration_metrics, predictions, run_metrics, spans
 from .trace import write_trace
@@ -38,7 +40,8 @@ def write_report(tl: Timeline, out_dir: str | os.PathLike | None = None, *, png:
 
     Files: summary.csv (per iteration), summary.json (``run``, ``iterations``, ``decisions``,
     ``predictions``), gantt.png, prediction.png (the policy's error per iteration, when its
-    decisions record predictions) and trace.json (Chrome trace for Perfetto; only iterations
+    decisions record predictions), learning.png (reward, evaluation, KL, entropy, loss per
+    iteration, when the run logged its training metrics) and trace.json (Chrome trace for Perfetto; only iterations
     first..last if `trace_iterations` = (first, last)). Returns {name: path}.
     """
     out = Path(out_dir) if out_dir is not None else Path(tl.path).parent / REPORT_DIR
@@ -60,6 +63,9 @@ def write_report(tl: Timeline, out_dir: str | os.PathLike | None = None, *, png:
         if len(pred):
             files["prediction.png"] = out / "prediction.png"
             plot_predictions(pred, files["prediction.png"], tl.attrs.get("policy", ""))
+        if any(str(c).startswith("train/") for c in its.columns):
+            files["learning.png"] = out / "learning.png"
+            plot_learning(its, files["learning.png"])
     if trace:
         files["trace.json"] = out / "trace.json"
         write_trace(tl, files["trace.json"], trace_iterations)
@@ -72,11 +78,17 @@ def closing_summary(tl: Timeline, report: dict[str, Path] | None) -> str:
     write_report wrote) or how to draw it."""
     m = run_metrics(tl)
     sp = spans(tl)
-    splits = sp["train_ranks"].to_numpy()
-    path = [f"{k}T/{m['world_size'] - k}R" for i, k in enumerate(splits) if i == 0 or k != splits[i - 1]]
-    lines = [f"{m['iterations']} iterations in {_num(m['total_time_s'], '{:.1f}')} s, "
-             f"{_num(m['tokens_per_s'], '{:,.0f}')} tokens/s; {m['resizes']} resizes"
-             + (f" ({' -> '.join(path)})" if m["resizes"] else f" (split {m['split']})"),
+    label = lambda k: f"{k}T/{m['world_size'] - k}R"   # noqa: E731
+    generating = sp["generated_batch"].to_numpy() >= 0
+    splits = sp["train_ranks"].to_numpy()[generating]
+    path = [label(k) for i, k in enumerate(splits) if i == 0 or k != splits[i - 1]]
+    drain = sp["train_ranks"].to_numpy()[~generating]            # the pipeline's drain: trains only
+    after = ("" if not len(drain) else f", the drain on {label(drain[-1])}" if len(splits) and drain[-1] != splits[-1]
+             else "")
+    lines = [f"{len(splits)} iterations{' and the pipeline' + chr(39) + 's drain' if len(drain) else ''} in "
+             f"{_num(m['total_time_s'], '{:.1f}')} s, {_num(m['tokens_per_s'], '{:,.0f}')} tokens/s; "
+             f"{len(path) - 1} resizes" + (f" ({' -> '.join(path)}{after})" if len(path) > 1 or after
+                                           else f" (split {m['split']})"),
              f"bubbles: train {_pct(m['bubble_train'])}, rollout {_pct(m['bubble_rollout'])}"
              + (f", both {_pct(m['bubble_both'])}" if not pd.isna(m["bubble_both"]) else "")
              + f"; switch work {_num(m['switch_total_s'])} s, {_pct(m['hidden_share'])} of it hidden"
@@ -88,6 +100,70 @@ def closing_summary(tl: Timeline, report: dict[str, Path] | None) -> str:
     else:
         lines.append(f"report: `dynaresize-analyze {folder}` writes it to {folder / REPORT_DIR}")
     return "\n".join(lines)
+
+
+def write_learning_page(tl: Timeline, path: str, command: list[str]) -> str:
+    """A results page of the run's learning: its config's command, learning.png beside the page,
+    and the mean reward, evaluation, KL and entropy over each tenth of the run."""
+    from .pages import write_page
+    its = iteration_metrics(tl)
+    if not any(str(c).startswith("train/") for c in its.columns):
+        raise TimelineError(f"{tl.path}: the run logged no training metrics (a simulated run, or one of an "
+                            f"older version): it has no learning to show")
+    image = Path(path).with_suffix(".png")
+    image.parent.mkdir(parents=True, exist_ok=True)
+    plot_learning(its, image)
+    evals = [c for c in its.columns if str(c).startswith("eval/")]
+    step = max(1, len(its) // 10)
+    rows = ["| iterations | mean reward | " + " | ".join(evals) + " | KL(behaviour) | entropy |",
+            "|" + "---|" * (4 + len(evals))]
+    for first in range(0, len(its), step):
+        part = its.iloc[first:first + step]
+        cells = [f"{part['mean_reward'].mean():.3f}"] + [
+            f"{part[c].dropna().iloc[-1]:.3f}" if part[c].notna().any() else "-" for c in evals] + [
+            f"{part['train/kl_behaviour'].mean():.4f}", f"{part['train/entropy'].mean():.2f}"]
+        rows.append(f"| {int(part['iteration'].iloc[0])}-{int(part['iteration'].iloc[-1])} | " + " | ".join(cells) + " |")
+    generating = int((tl.iterations["generated_batch"] >= 0).sum())
+    body = (f"Run `{tl.name}`: {generating} iterations of policy `{tl.policy}` on {tl.world_size} ranks. "
+            f"What each metric means: [metric definitions](../reference/metrics.md).\n\n"
+            f"![learning curves]({image.name})\n\n" + "\n".join(rows))
+    return write_page(path, "Learning: the tiny model on the reversal task", command, body)
+
+
+def plot_learning(its: pd.DataFrame, path) -> None:
+    """Is it learning? Per iteration: the batch's mean reward and the held-out evaluation's,
+    the KL estimates, the policy's entropy, and the losses and clip fraction (metrics module)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+    x = its["iteration"]
+    ax = axes[0, 0]
+    ax.plot(x, its["mean_reward"], ".-", ms=3, label="batch generated")
+    evals = [c for c in its.columns if str(c).startswith("eval/reward_mean")]
+    if evals:
+        e = its[["iteration", evals[0]]].dropna()
+        ax.plot(e["iteration"], e[evals[0]], "s-", ms=5, label="held-out evaluation")
+    ax.set_ylabel("mean reward")
+    ax.legend(loc="best")
+    ax = axes[0, 1]
+    for column, label in (("train/kl_behaviour", "KL(behaviour || policy)"), ("train/kl_ref", "KL(policy || reference)")):
+        if column in its:
+            ax.plot(x, its[column], ".-", ms=3, label=label)
+    ax.set_ylabel("KL (k3)")
+    ax.legend(loc="best")
+    ax = axes[1, 0]
+    ax.plot(x, its["train/entropy"], ".-", ms=3)
+    ax.set_ylabel("entropy [nats]")
+    ax.set_xlabel("iteration")
+    ax = axes[1, 1]
+    ax.plot(x, its["train/policy_loss"], ".-", ms=3, label="policy loss")
+    ax.plot(x, its["train/clip_fraction"], ".-", ms=3, label="clip fraction")
+    ax.set_xlabel("iteration")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def plot_predictions(pred: pd.DataFrame, path, policy: str = "") -> None:

@@ -46,8 +46,9 @@ TRACKS = {  # tid -> track name
     5: "switch (critical)",
     6: "switch (background)",
     7: "other",
+    8: "eval",
 }
-_STAGE_TID = {"rollout": 1, "train": 2, "weight_sync": 3, "exchange": 4}
+_STAGE_TID = {"rollout": 1, "train": 2, "weight_sync": 3, "exchange": 4, "eval": 8}
 LANE_STRIDE = 100
 
 

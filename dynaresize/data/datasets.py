@@ -2,9 +2,10 @@
 
 `workload.task=dataset` (preset `workload=dataset`) takes each batch's prompts from `data.*`:
 the rows of `data.train_files`, walked epoch by epoch, each epoch in its own permutation keyed by
-(run.seed, epoch). Batch b starts where batch b-1 ended (over-sampled batches take more rows), so
-a batch is a pure function of (seed, batch index, prompt index) as with the built-in tasks: where
-and by how many ranks it is generated never changes it, and a resumed run continues the sequence.
+(run.seed, epoch). Batch b starts where batch b-1 ended, so a batch is a pure function of (seed,
+batch index, prompt index) as with the built-in tasks: where and by how many ranks it is generated
+never changes it, and a resumed run continues the sequence. A later round of dynamic sampling
+(trainer.filter_groups) takes the same positions of the permutations of its own seed.
 
 A prompt is the row's `data.prompt_key` text, wrapped as one user message by the tokenizer's chat
 template (`data.apply_chat_template`); its reference answer is `data.answer_key`; the row's other
@@ -23,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..config import ConfigError, DataConfig, JobConfig
-from .shapes import generated_prompts, keyed_rng, max_response_cap, response_cap
+from .shapes import keyed_rng, max_response_cap, response_cap, round_seed
 from .workload import DigitTask, Prompt, Task
 
 _ORDER_STREAM = 0x64617461        # "data": the permutation of each epoch
@@ -59,17 +60,18 @@ def read_file(path: str) -> list[dict]:
         return rows
 
 
-def read_rows(files: list[str]) -> list[dict]:
-    """Every row of `data.train_files`, in order; a ConfigError naming the file's entry."""
+def read_rows(files: list[str], field: str = "data.train_files") -> list[dict]:
+    """Every row of the files `files` (config field `field`), in order; a ConfigError naming the
+    file's entry."""
     rows: list[dict] = []
     for i, path in enumerate(files):
         try:
             rows += read_file(path)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"invalid configuration:\n  data.train_files[{i}]: {e}. Fix: give JSONL "
+            raise ConfigError(f"invalid configuration:\n  {field}[{i}]: {e}. Fix: give JSONL "
                               f"(one object per line), a JSON list or Parquet.") from None
     if not rows:
-        raise ConfigError("invalid configuration:\n  data.train_files: the files hold no rows. "
+        raise ConfigError(f"invalid configuration:\n  {field}: the files hold no rows. "
                           "Fix: give files with at least one prompt.")
     return rows
 
@@ -116,30 +118,37 @@ class DatasetTask:
         self.tokenizer = load_tokenizer(model_dir)
         self.encode = PromptEncoder(cfg.data, self.tokenizer)
         self.rows = read_rows(cfg.data.train_files)
+        self.val_rows = read_rows(cfg.data.val_files, "data.val_files") if cfg.data.val_files else []
 
     @lru_cache(maxsize=4)
-    def _epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+    def _epoch_order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         n = len(self.rows)
-        return keyed_rng(seed, epoch, _ORDER_STREAM).permutation(n) if self.data.shuffle else np.arange(n)
+        return keyed_rng(seed, epoch, _ORDER_STREAM).permutation(n) if shuffle else np.arange(n)
 
-    def row_indices(self, seed: int, batch: int, num_prompts: int) -> list[int]:
-        """The dataset rows of batch `batch`: the next ones of the epoch-by-epoch sequence."""
-        start = sum(generated_prompts(self.workload, b, num_prompts) for b in range(batch))
-        count = generated_prompts(self.workload, batch, num_prompts)
-        n = len(self.rows)
-        return [int(self._epoch_order(seed, pos // n)[pos % n]) for pos in range(start, start + count)]
+    def row_indices(self, seed: int, batch: int, num_prompts: int, round: int = 0) -> list[int]:
+        """The dataset rows of batch `batch`: the next ones of the epoch-by-epoch sequence (a
+        later round's: of a permutation of its own, also with data.shuffle=false)."""
+        start, n = batch * num_prompts, len(self.rows)
+        shuffle, seed = self.data.shuffle or round > 0, round_seed(seed, round)
+        return [int(self._epoch_order(seed, pos // n, shuffle)[pos % n]) for pos in range(start, start + num_prompts)]
 
-    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
+    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int, round: int = 0) -> list[Prompt]:
         cap = response_cap(self.workload, batch)
+        return [self._prompt(i, self.rows, row_index, cap, samples_per_prompt)
+                for i, row_index in enumerate(self.row_indices(seed, batch, num_prompts, round))]
+
+    def held_out(self, seed: int, num_prompts: int, samples_per_prompt: int, cap: int) -> list[Prompt]:
+        """The evaluation's prompts: the first `num_prompts` rows of data.val_files (0: all)."""
+        count = len(self.val_rows) if num_prompts <= 0 else min(num_prompts, len(self.val_rows))
+        return [self._prompt(i, self.val_rows, i, cap, samples_per_prompt) for i in range(count)]
+
+    def _prompt(self, index: int, rows: list[dict], row_index: int, cap: int, samples_per_prompt: int) -> Prompt:
         p, a = self.data.prompt_key, self.data.answer_key
-        prompts = []
-        for i, row_index in enumerate(self.row_indices(seed, batch, num_prompts)):
-            row = self.rows[row_index]
-            extra = {k: v for k, v in row.items() if k not in (p, a)}
-            extra["row"] = row_index
-            prompts.append(Prompt(index=i, tokens=tuple(self.encode(str(row[p]))), answer=str(row[a]),
-                                  response_lens=(cap,) * samples_per_prompt, text=str(row[p]), extra=extra))
-        return prompts
+        row = rows[row_index]
+        extra = {k: v for k, v in row.items() if k not in (p, a)}
+        extra["row"] = row_index
+        return Prompt(index=index, tokens=tuple(self.encode(str(row[p]))), answer=str(row[a]),
+                      response_lens=(cap,) * samples_per_prompt, text=str(row[p]), extra=extra)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -150,22 +159,15 @@ def check_dataset(cfg: JobConfig) -> str:
     field, the row and the fix. Returns a one-line summary for the launcher to print."""
     d = cfg.data
     tokenizer = load_tokenizer(cfg.model.path)
-    problems = []
     if d.apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"invalid configuration:\n  data.apply_chat_template: the tokenizer in "
                           f"{cfg.model.path} has no chat template. Fix: data.apply_chat_template=false "
                           f"(the prompt text is tokenized as it is), or use a model with one.")
-    rows = read_rows(d.train_files)
-    for key, name in ((d.prompt_key, "data.prompt_key"), (d.answer_key, "data.answer_key")):
-        missing = next((i for i, row in enumerate(rows) if not isinstance(row, dict) or key not in row), None)
-        if missing is not None:
-            fields = sorted(rows[missing]) if isinstance(rows[missing], dict) else type(rows[missing]).__name__
-            problems.append(f"  {name}: row {missing} has no field {key!r} (its fields: {fields}). "
-                            f"Fix: set {name} to the field that holds it.")
-    if problems:
-        raise ConfigError("invalid configuration:\n" + "\n".join(problems))
     encode = PromptEncoder(d, tokenizer)
-    lengths = np.array([len(encode.full(str(row[d.prompt_key]))) for row in rows])
+    rows, lengths = _checked_rows(d, encode, d.train_files, "data.train_files")
+    if d.val_files:
+        val_rows, val_lengths = _checked_rows(d, encode, d.val_files, "data.val_files")
+        rows, lengths = rows + val_rows, np.concatenate([lengths, val_lengths])
     longest_row = int(lengths.argmax())
     if d.max_prompt_length is not None and d.truncation == "error" and lengths.max() > d.max_prompt_length:
         over = int((lengths > d.max_prompt_length).sum())
@@ -180,8 +182,26 @@ def check_dataset(cfg: JobConfig) -> str:
                           f"tokens, row {longest_row}) plus the response cap ({max_response_cap(cfg.workload)}) is "
                           f"{longest} tokens, more than the model's max_position_embeddings ({positions}). Fix: "
                           f"lower workload.length_max or data.max_prompt_length, or use a model with more positions.")
-    return (f"dataset: {len(rows)} prompts from {len(d.train_files)} file(s), prompt tokens median "
-            f"{int(np.median(lengths))} / max {int(lengths.max())}, responses up to {max_response_cap(cfg.workload)}")
+    held_out = f" (and {len(rows) - len(read_rows(d.train_files))} held out)" if d.val_files else ""
+    return (f"dataset: {len(rows)} prompts{held_out} from {len(d.train_files) + len(d.val_files)} file(s), "
+            f"prompt tokens median {int(np.median(lengths))} / max {int(lengths.max())}, responses up to "
+            f"{max_response_cap(cfg.workload)}")
+
+
+def _checked_rows(d: DataConfig, encode: PromptEncoder, files: list[str], field: str):
+    """The rows of `files` (config field `field`) and their prompts' token counts, or a
+    ConfigError naming the field, the row and the fix."""
+    rows = read_rows(files, field)
+    problems = []
+    for key, name in ((d.prompt_key, "data.prompt_key"), (d.answer_key, "data.answer_key")):
+        missing = next((i for i, row in enumerate(rows) if not isinstance(row, dict) or key not in row), None)
+        if missing is not None:
+            fields = sorted(rows[missing]) if isinstance(rows[missing], dict) else type(rows[missing]).__name__
+            problems.append(f"  {name}: row {missing} of {field} has no field {key!r} (its fields: {fields}). "
+                            f"Fix: set {name} to the field that holds it.")
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(problems))
+    return rows, np.array([len(encode.full(str(row[d.prompt_key]))) for row in rows])
 
 
 def _max_positions(model_dir: str) -> int | None:

@@ -192,9 +192,13 @@ class Scorer:
         self.decode, self.eos_ids = decode, set(eos_ids)
         self.failures = 0           # samples scored 0 because the reward failed (on_error=zero)
 
+    def finished(self, tokens: list[int]) -> bool:
+        """Whether a response ended at the model's end-of-sequence token (not cut at the cap)."""
+        return bool(tokens) and tokens[-1] in self.eos_ids
+
     def __call__(self, prompt, tokens: list[int], batch: int, sample: int) -> float:
         response = self.decode(tokens)
-        extra = {**prompt.extra, "finished": bool(tokens) and tokens[-1] in self.eos_ids}
+        extra = {**prompt.extra, "finished": self.finished(tokens)}
         try:
             value = float(self.fn(prompt.text, response, prompt.answer, extra))
             if value != value or value in (float("inf"), float("-inf")):

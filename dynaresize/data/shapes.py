@@ -13,10 +13,13 @@ The length model (see dynaresize/conf/workload/ for the presets and their source
 - the median drifts by `length_growth` per batch (responses grow as the policy learns to reason);
 - lengths are cut at the batch's cap (`length_max`, or `length_max_schedule` as DeepScaleR
   raised its max response length 8k -> 16k -> 24k during training);
-- `mixture` rotates task presets (median, sigma, prompt length) every `mixture_block` batches;
-- `oversample` (DAPO dynamic sampling) generates factor x prompts_per_batch groups, of which
-  the trainer takes the first prompts_per_batch (a fixed stand-in for dropping groups whose
-  rewards are all equal).
+- `mixture` rotates task presets (median, sigma, prompt length) every `mixture_block` batches.
+
+DAPO's dynamic sampling (`trainer.filter_groups`) generates a batch in rounds of
+prompts_per_batch groups, each round with prompts and lengths of its own (`round`), until
+prompts_per_batch groups have rewards that differ or `trainer.filter_max_rounds` rounds are done;
+the trainer takes those groups. The runtime knows which groups differ from their rewards; the
+simulator draws it, each group with probability `workload.signal_share` (`filtered_shape`).
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 _SHAPE_STREAM = 0x73686170        # "shap": prompt and response lengths of a batch
+_ROUND_STREAM = 0x726F756E        # "roun": the seed of a batch's later rounds (DAPO dynamic sampling)
+_SIGNAL_STREAM = 0x7369676E       # "sign": which simulated groups have rewards that differ
 
 
 def keyed_rng(*key: int) -> np.random.Generator:
@@ -60,13 +65,16 @@ def max_response_cap(w) -> int:
                                      if isinstance(p, (list, tuple)) and len(p) == 2])
 
 
-def oversample_factor(w, batch: int) -> float:
-    return _piecewise(w.oversample, batch, 1.0, linear=True)
+def signal_share(w, batch: int) -> float:
+    """The share of batch `batch`'s prompt groups whose rewards differ, as the simulator draws it
+    (workload.signal_share, linear between its points; 1 without)."""
+    return _piecewise(w.signal_share, batch, 1.0, linear=True)
 
 
-def generated_prompts(w, batch: int, prompts_per_batch: int) -> int:
-    """Prompt groups generated for batch `batch` (more than trained when over-sampling)."""
-    return max(prompts_per_batch, math.ceil(oversample_factor(w, batch) * prompts_per_batch - 1e-9))
+def round_seed(seed: int, round: int) -> int:
+    """The seed of round `round` of a batch (round 0: the run's own, so a batch generated in one
+    round is the batch without filtering)."""
+    return seed if round == 0 else int(keyed_rng(seed, round, _ROUND_STREAM).integers(0, 2**62))
 
 
 def task_index(w, batch: int) -> int:
@@ -95,19 +103,25 @@ class BatchShape:
     context_lens: np.ndarray    # (prompts,) instruction tokens before the question
     prompt_lens: np.ndarray     # (prompts,) all prompt tokens
     response_lens: np.ndarray   # (prompts, samples) hidden response lengths, in [length_min, the batch's cap]
-    trained_prompts: int        # the trainer takes prompt groups 0 .. trained_prompts - 1
+    trained: np.ndarray         # the prompt groups the trainer takes, in order
+    rounds: tuple[int, ...] = ()    # prompt groups generated in each round, in order (): one round
 
     @property
     def prompts(self) -> int:
         return len(self.prompt_lens)
 
+    @property
+    def trained_prompts(self) -> int:
+        return len(self.trained)
 
-def batch_shape(w, seed: int, batch: int, prompts_per_batch: int, samples_per_prompt: int) -> BatchShape:
-    """The shape of batch `batch` (see the module docstring)."""
-    n = generated_prompts(w, batch, prompts_per_batch)
+
+def batch_shape(w, seed: int, batch: int, prompts_per_batch: int, samples_per_prompt: int,
+                round: int = 0) -> BatchShape:
+    """The shape of batch `batch` (of its round `round`; see the module docstring)."""
+    n = prompts_per_batch
     s = task_settings(w, batch)
     cap = response_cap(w, batch)
-    rng = keyed_rng(seed, batch, _SHAPE_STREAM)
+    rng = keyed_rng(round_seed(seed, round), batch, _SHAPE_STREAM)
     digits = rng.integers(w.digits_min, w.digits_max + 1, n)
     if s["prompt_median"] > 0:
         context = np.clip(np.round(rng.lognormal(math.log(s["prompt_median"]), s["prompt_sigma"], n)),
@@ -120,8 +134,34 @@ def batch_shape(w, seed: int, batch: int, prompts_per_batch: int, samples_per_pr
               else np.ones((n, samples_per_prompt)))
     lens = np.clip(np.round(scale[:, None] * spread), w.length_min, cap).astype(np.int64)
     prompt_lens = context + digits + prompt_extra_tokens(w.task)
-    return BatchShape(digits.astype(np.int64), context, prompt_lens.astype(np.int64), lens, min(prompts_per_batch, n))
+    return BatchShape(digits.astype(np.int64), context, prompt_lens.astype(np.int64), lens, np.arange(n))
 
 
-__all__ = ["BatchShape", "batch_shape", "response_cap", "max_response_cap", "oversample_factor",
-           "generated_prompts", "task_index", "task_settings", "prompt_extra_tokens"]
+def filtered_shape(w, seed: int, batch: int, prompts_per_batch: int, samples_per_prompt: int,
+                   max_rounds: int) -> BatchShape:
+    """A batch of DAPO's dynamic sampling as the simulator sees it: rounds of prompts_per_batch
+    groups, each group's rewards differing with probability signal_share (drawn per round), until
+    prompts_per_batch such groups or `max_rounds` rounds; the trainer takes the first
+    prompts_per_batch of them. With max_rounds 1 it is the plain batch."""
+    parts, signal = [], []
+    for r in range(max(max_rounds, 1)):
+        parts.append(batch_shape(w, seed, batch, prompts_per_batch, samples_per_prompt, r))
+        if max_rounds <= 1:
+            return parts[0]
+        draw = keyed_rng(seed, batch, r, _SIGNAL_STREAM).random(prompts_per_batch) < signal_share(w, batch)
+        signal.append(draw)
+        if np.concatenate(signal).sum() >= prompts_per_batch:
+            break
+    kept = np.flatnonzero(np.concatenate(signal))[:prompts_per_batch]
+    return BatchShape(*(np.concatenate([getattr(p, f) for p in parts])
+                        for f in ("digits", "context_lens", "prompt_lens", "response_lens")),
+                      trained=kept, rounds=tuple(p.prompts for p in parts))
+
+
+def generation_rounds(trainer) -> int:
+    """The most rounds a batch is generated in: trainer.filter_max_rounds with filter_groups, else 1."""
+    return trainer.filter_max_rounds if trainer.filter_groups else 1
+
+
+__all__ = ["BatchShape", "batch_shape", "filtered_shape", "generation_rounds", "response_cap", "max_response_cap",
+           "signal_share", "round_seed", "task_index", "task_settings", "prompt_extra_tokens"]

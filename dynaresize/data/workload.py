@@ -18,6 +18,7 @@ how many ranks a batch is generated never changes it.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,12 +27,13 @@ import numpy as np
 
 from ..config import WorkloadConfig
 from .vocab import BOS_ID, CHARS, SPECIAL
-from .shapes import batch_shape, keyed_rng
+from .shapes import batch_shape, keyed_rng, round_seed
 
 DIGIT_IDS = [3 + CHARS.index(d) for d in "0123456789"]
 EQUALS_ID = 3 + CHARS.index("=")
 PLUS_ID = 3 + CHARS.index("+")
 _TOKEN_STREAM = 0x746F6B              # "tok": the digit values of a batch's prompts
+HELD_OUT = 0x6576616C                 # "eval": the seed key of the held-out prompts (and their samples)
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,12 @@ class Prompt:
 class Task(Protocol):
     """A source of prompts: the built-in digit tasks or a dataset."""
 
-    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
-        """The prompts of batch `batch` (a pure function of its arguments)."""
+    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int, round: int = 0) -> list[Prompt]:
+        """The prompts of batch `batch` (of its round `round`: dynamic sampling's later rounds
+        generate other prompts), a pure function of its arguments; indexed from 0."""
+
+    def held_out(self, seed: int, num_prompts: int, samples_per_prompt: int, cap: int) -> list[Prompt]:
+        """The evaluation's prompts (never trained on), each sample allowed up to `cap` tokens."""
 
     def decode(self, tokens: list[int]) -> str:
         """Response tokens as the reward reads them (special tokens dropped)."""
@@ -60,8 +66,13 @@ class DigitTask:
     def __init__(self, cfg: WorkloadConfig):
         self.cfg = cfg
 
-    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
-        return make_batch(self.cfg, seed, batch, num_prompts, samples_per_prompt)
+    def batch(self, seed: int, batch: int, num_prompts: int, samples_per_prompt: int, round: int = 0) -> list[Prompt]:
+        return make_batch(self.cfg, seed, batch, num_prompts, samples_per_prompt, round)
+
+    def held_out(self, seed: int, num_prompts: int, samples_per_prompt: int, cap: int) -> list[Prompt]:
+        """Prompts of their own random stream (keyed by HELD_OUT), the same task and digit counts."""
+        prompts = make_batch(self.cfg, seed ^ HELD_OUT, 0, max(num_prompts, 1), samples_per_prompt)
+        return [dataclasses.replace(p, response_lens=(cap,) * samples_per_prompt) for p in prompts]
 
     def decode(self, tokens: list[int]) -> str:
         return decode_chars(tokens)
@@ -74,10 +85,10 @@ def decode_chars(tokens) -> str:
 
 
 def make_batch(cfg: WorkloadConfig, seed: int, batch: int, num_prompts: int,
-               samples_per_prompt: int) -> list[Prompt]:
-    """The prompts of batch `batch`: `num_prompts` trained ones, more when over-sampling."""
-    shape = batch_shape(cfg, seed, batch, num_prompts, samples_per_prompt)
-    rng = keyed_rng(seed, batch, _TOKEN_STREAM)
+               samples_per_prompt: int, round: int = 0) -> list[Prompt]:
+    """The `num_prompts` prompts of batch `batch` (of its round `round`)."""
+    shape = batch_shape(cfg, seed, batch, num_prompts, samples_per_prompt, round)
+    rng = keyed_rng(round_seed(seed, round), batch, _TOKEN_STREAM)
     prompts = []
     for i in range(shape.prompts):
         n = int(shape.digits[i])

@@ -9,9 +9,12 @@ composed and validated before the first job starts. Then Hydra runs the app as u
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import os
 import sys
+import threading
 import warnings
 from typing import Callable, Optional
 
@@ -38,6 +41,7 @@ def prepare(raw: DictConfig, run_dir: str) -> JobConfig:
     # Ranks may start elsewhere (another node, another directory): paths are fixed here, where the
     # user wrote them.
     cfg.data.train_files = [os.path.abspath(os.path.expanduser(p)) for p in cfg.data.train_files]
+    cfg.data.val_files = [os.path.abspath(os.path.expanduser(p)) for p in cfg.data.val_files]
     if cfg.model.path is not None:
         cfg.model.path = os.path.abspath(os.path.expanduser(cfg.model.path))
     return cfg
@@ -79,22 +83,108 @@ register_schema()
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def hydra_app(raw: DictConfig) -> None:
     """One job (Hydra calls it once per sweep point with -m)."""
+    code = launch_job(lambda: prepare(raw, HydraConfig.get().runtime.output_dir))
+    if code != 0:
+        sys.exit(code)
+
+
+def launch_job(make_config: Callable[[], JobConfig]) -> int:
+    """Check the job `make_config()` describes, then run it; its exit code. A bad value, or a
+    resume that would compute something else, is refused (exit code 2) before anything starts or
+    is written; a run directory that holds a finished run of as many iterations says so (0). The
+    console's lines go to RUN_DIR/cli.log as well."""
     try:
-        cfg = prepare(raw, HydraConfig.get().runtime.output_dir)
+        cfg = make_config()
         if not in_mpi_job():
-            from ..runtime.checkpoint import check_resume
+            from ..runtime.checkpoint import check_resume, completed
             check_resume(cfg)          # a resume that would compute something else: refused, nothing written
+            done = completed(cfg)
+            if done:
+                print(f"[dynaresize] {done}", flush=True)
+                return 0
             check_inputs(cfg)
     except ConfigError as e:
         print(f"dynaresize: {e}", file=sys.stderr)
-        sys.exit(2)
-    code = start(cfg)
-    if code == 2:                      # refused before it started; the reason is printed already
-        sys.exit(2)
-    if code != 0:
-        print(f"dynaresize: the job failed (exit code {code}); see the rank errors above and "
-              f"{cfg.run.output_dir}", file=sys.stderr)
-        sys.exit(code)
+        return 2
+    if in_mpi_job():
+        return start(cfg)
+    with console_log(os.path.join(cfg.run.output_dir, LOG_FILE)):
+        code = start(cfg)
+        if code not in (0, 2):         # 2: refused before it started; the reason is printed already
+            print(f"dynaresize: the job failed (exit code {code}); see the rank errors above and "
+                  f"{cfg.run.output_dir}", file=sys.stderr, flush=True)
+    return code
+
+
+LOG_FILE = "cli.log"       # what the console showed, in the run directory
+
+
+class _Tee(io.TextIOBase):
+    """A console stream that also appends what it writes to a file (shared by stdout and stderr,
+    which the launcher's threads write to at once)."""
+
+    def __init__(self, stream, file, lock):
+        self.stream, self.file, self.lock = stream, file, lock
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            self.stream.write(text)
+            self.file.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with self.lock:
+            self.stream.flush()
+            self.file.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+@contextlib.contextmanager
+def console_log(path: str):
+    """Copy everything this process prints (the ranks' output passes through it) to `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock = threading.Lock()
+    with open(path, "a") as f:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, f, lock), _Tee(err, f, lock)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = out, err
+
+
+def resume_run(run_dir: str, overrides: list[str]) -> int:
+    """`dynaresize run.resume=RUN_DIR [key=value ...]`: continue the run in RUN_DIR with the
+    configuration it ran with (RUN_DIR/config.yaml), the given fields changed (e.g. a larger
+    run.iterations; what would change the computation is refused by check_resume)."""
+    path = os.path.join(os.path.expanduser(run_dir), "config.yaml")
+    if not os.path.isfile(path):
+        print(f"dynaresize: invalid configuration:\n  run.resume: {run_dir!r} holds no config.yaml, so it is "
+              f"not a run directory. Fix: give the folder of an earlier run (outputs/DATE/TIME).", file=sys.stderr)
+        return 2
+    groups = {g for g in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, g))}
+    for line in overrides:
+        key = line.partition("=")[0].lstrip("+~")
+        if line.startswith("-") or "=" not in line or key in groups or key.startswith("hydra"):
+            print(f"dynaresize: invalid configuration:\n  {line}: run.resume continues a run with the "
+                  f"configuration it ran with; only fields can change (key.field=value, e.g. "
+                  f"run.iterations=40), not presets, Hydra settings or sweeps. Fix: drop {line!r}.",
+                  file=sys.stderr)
+            return 2
+    raw = OmegaConf.load(path)
+    raw.run.output_dir = None
+
+    def make_config() -> JobConfig:
+        try:
+            merged = OmegaConf.merge(raw, OmegaConf.from_dotlist(overrides))
+        except OmegaConfBaseException as e:
+            raise ConfigError("invalid configuration:\n" + omegaconf_problem(e)) from None
+        return prepare(merged, os.path.dirname(os.path.abspath(path)))
+    return launch_job(make_config)
 
 
 def check_inputs(cfg: JobConfig) -> None:
@@ -112,7 +202,12 @@ def check_inputs(cfg: JobConfig) -> None:
 
 def main() -> None:
     """The `dynaresize` command: check the command line (exit 2 with the field and the fix), then
-    hand it to Hydra (a run, a sweep with -m, --cfg, --help ...)."""
+    hand it to Hydra (a run, a sweep with -m, --cfg, --help ...); `run.resume=RUN_DIR` continues
+    an earlier run without Hydra composing a new one."""
+    resume = [a for a in sys.argv[1:] if a.startswith("run.resume=")]
+    if resume:
+        sys.exit(resume_run(resume[-1].partition("=")[2],
+                            [a for a in sys.argv[1:] if not a.startswith("run.resume=")]))
     problem = check_command_line(sys.argv[1:])
     if problem:
         print(f"dynaresize: {problem}", file=sys.stderr)

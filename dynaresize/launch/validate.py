@@ -133,13 +133,19 @@ def validate(cfg: JobConfig) -> None:
          "prompt_median, prompt_sigma and prompt_max must be >= 0", "fix the prompt-length settings")
     need(w.prompt_median == 0 or w.prompt_max >= 1, "workload.prompt_max",
          f"is {w.prompt_max} with prompt_median={w.prompt_median}", "give the longest context (prompt_max >= 1)")
-    for name, points, low in (("length_max_schedule", w.length_max_schedule, w.length_min),
-                              ("oversample", w.oversample, 1.0)):
+    for name, points, low, high, example in (
+            ("length_max_schedule", w.length_max_schedule, w.length_min, math.inf, "[[0, 8192], [40, 16384]]"),
+            ("signal_share", w.signal_share, 1e-9, 1.0, "[[0, 0.6], [99, 0.3]]")):
         ok = all(isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
-                 and p[0] >= 0 and p[1] >= low for p in points)
+                 and p[0] >= 0 and low <= p[1] <= high for p in points)
         ok = ok and all(a[0] < b[0] for a, b in zip(points, points[1:]))
+        bounds = f">= {low}" if high == math.inf else "in (0, 1]"
         need(ok, f"workload.{name}", f"{points} is not a list of [batch, value] pairs with increasing batches "
-             f"and values >= {low}", "write e.g. [[0, 8192], [40, 16384]]")
+             f"and values {bounds}", f"write e.g. {example}")
+    need(t.filter_max_rounds >= 1, "trainer.filter_max_rounds", f"is {t.filter_max_rounds}", "use 1 or more")
+    need(not (t.filter_groups and r.migration_threshold != 0), "trainer.filter_groups",
+         "and rollout.migration_threshold are both set; a tail migration cannot cross a round of dynamic "
+         "sampling", "use one of them (rollout.migration_threshold=0 with filter_groups)")
     keys = {"length_median", "length_sigma", "prompt_median", "prompt_sigma"}
     for i, entry in enumerate(w.mixture):
         ok = (isinstance(entry, dict) and set(entry) <= keys
@@ -241,12 +247,12 @@ def validate(cfg: JobConfig) -> None:
              "list valid splits")
     if scripted:
         need(len(p.schedule) > 0, "policy.schedule", "is empty", "list the split of each iteration, e.g. [1,1,3,3]")
-        # The loop runs run.iterations + run.max_lag iterations (the last max_lag only train); the
-        # last entry holds once the schedule ends, so a shorter schedule is fine.
+        # One split an iteration and one for the pipeline's drain (max_lag 1); the last entry holds
+        # once the schedule ends, so a shorter schedule is fine.
         total = run.iterations + run.max_lag
         need(len(p.schedule) <= total, "policy.schedule",
-             f"has {len(p.schedule)} entries but the run has only {total} iterations (run.iterations + "
-             f"run.max_lag): the splits after the {total}th would never be used",
+             f"has {len(p.schedule)} entries but the run has only {total} steps (run.iterations and, with "
+             f"run.max_lag=1, the pipeline's drain): the splits after the {total}th would never be used",
              f"list at most {total} splits, or raise run.iterations")
     else:
         need(not p.schedule, "policy.schedule",
@@ -274,6 +280,8 @@ def validate(cfg: JobConfig) -> None:
         except (ProfileError, ValueError, TypeError) as e:
             errors.append(f"  hardware: {e}. Fix: correct the profile (see dynaresize/conf/hardware/h100.yaml).")
     need(run.checkpoint_every >= 0, "run.checkpoint_every", f"is {run.checkpoint_every}", "use 0 or more")
+    need(run.resume is None, "run.resume", f"is {run.resume!r} in a config; it continues a run from the command "
+         f"line only", "run `dynaresize run.resume=RUN_DIR [field=value ...]`, and leave it out of config files")
 
     o = cfg.sim
     need(o.noise >= 0, "sim.noise", f"is {o.noise}", "use 0 or a small positive relative std")
@@ -281,6 +289,17 @@ def validate(cfg: JobConfig) -> None:
     need(o.flush_every >= 1, "sim.flush_every", f"is {o.flush_every}", "use 1 or more")
     for name in ("prompts_per_rank", "units", "train_units"):
         need(getattr(o, name) >= 0, f"sim.{name}", f"is {getattr(o, name)}", "use 0 (off) or more")
+
+    e, log = cfg.eval, cfg.log
+    need(e.every >= 0, "eval.every", f"is {e.every}", "use 0 (no evaluation) or a number of iterations")
+    need(e.prompts >= 0, "eval.prompts", f"is {e.prompts}", "use a number of held-out prompts (0: all of data.val_files)")
+    need(e.samples_per_prompt >= 1, "eval.samples_per_prompt", f"is {e.samples_per_prompt}", "use 1 or more")
+    need(e.temperature >= 0, "eval.temperature", f"is {e.temperature}", "use 0 (greedy) or more")
+    need(not cfg.data.val_files or cfg.workload.task == "dataset", "data.val_files", "is set but workload.task is not dataset",
+         "use workload=dataset, or leave data.val_files empty (the built-in tasks evaluate on their own "
+         "held-out prompts)")
+    need(log.generations_every >= 0, "log.generations_every", f"is {log.generations_every}", "use 0 (never) or more")
+    need(log.generations >= 1, "log.generations", f"is {log.generations}", "use 1 or more")
 
     if errors:
         raise ConfigError("invalid configuration:\n" + "\n".join(errors))
@@ -293,11 +312,15 @@ def validate_data(cfg: JobConfig, need) -> None:
          "shapes", "simulate one of the dynaresize/conf/workload/ presets that resembles your data")
     need(bool(d.train_files), "data.train_files", "is empty but workload.task is dataset",
          "list your JSONL or Parquet files, e.g. data.train_files=[data/train.jsonl]")
-    for i, path in enumerate(d.train_files):
-        need(str(path).endswith((".jsonl", ".json", ".parquet")), f"data.train_files[{i}]",
-             f"{path!r} is neither .jsonl, .json nor .parquet", "convert it to JSONL (one object per line)")
-        need(os.path.isfile(path), f"data.train_files[{i}]", f"{path!r} does not exist",
-             "give the path of an existing file (relative paths start where dynaresize is run)")
+    for field, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        for i, path in enumerate(files):
+            need(str(path).endswith((".jsonl", ".json", ".parquet")), f"{field}[{i}]",
+                 f"{path!r} is neither .jsonl, .json nor .parquet", "convert it to JSONL (one object per line)")
+            need(os.path.isfile(path), f"{field}[{i}]", f"{path!r} does not exist",
+                 "give the path of an existing file (relative paths start where dynaresize is run)")
+    need(cfg.eval.every == 0 or bool(d.val_files), "data.val_files", "is empty but eval.every asks for a "
+         "held-out evaluation of your dataset", "list held-out JSONL or Parquet files, e.g. "
+         "data.val_files=[data/test.jsonl], or set eval.every=0")
     need(cfg.model.path is not None, "model.path", "is unset but workload.task is dataset: the built-in "
          "tiny model's character vocabulary cannot tokenize text", "give a Hugging Face checkpoint directory "
          "with its tokenizer, or build a tiny one from your data: python -m dynaresize.data.tiny_model "

@@ -17,6 +17,7 @@ from typing import Any
 from .migration import priced_migration
 from .prediction import ENSEMBLE, IterationModel, LengthForecast, Prediction, workload_sample
 from .pricing import PricingPool
+from ..data.shapes import generation_rounds
 
 START_POINTS = 4      # points of the run (its start and quarters) where policy.train_ranks=auto prices splits
 START_PHASES = 8      # iterations of a task period it averages over at each point (evenly spaced)
@@ -164,7 +165,8 @@ class DynamicPolicy(Policy):
         # a run whose cost model cannot price tail migration (the torch engine's) predicts without it
         self.model = IterationModel.for_job(job, cost, priced_migration(job.rollout, cost))
         r = job.rollout
-        self.forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
+        self.forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt,
+                                       generation_rounds(job.trainer))
         self.iterations = job.run.iterations
         # measured / predicted: stage times, and switch times by destination (1 until measured)
         self.scale = {"rollout": 1.0, "train": 1.0, "switch to rollout": 1.0, "switch to train": 1.0}
@@ -376,27 +378,16 @@ class DynamicPolicy(Policy):
 
 def steps_to_search(keys: list[tuple | None]) -> set[int]:
     """The steps of a plan's horizon whose best split the plan searches, from their forecasts'
-    keys (LengthForecast.forecast): the first and the last step, every step whose kind of batch
-    (task and cap of a forecast; a sample of the configured workload, or no batch) appears first
-    there, and every step where a forecast's size turns (more prompt groups after fewer, or the
-    reverse: over-sampling's schedule). A size that only grows or only shrinks is a trend, like a
-    growing length: the best splits of the steps between lie between those at its ends. (Searching
-    every size made a 1,024-rank `dapo` decision 2.2 x slower: over-sampling changes the size every
-    batch.)"""
+    keys (LengthForecast.forecast): the first and the last step, and every step whose kind of
+    batch (task and cap of a forecast; a sample of the configured workload, or no batch) appears
+    first there. Between them a forecast changes only by its trend, like a growing length: the
+    best splits of the steps between lie between those at their ends."""
     searched, seen = {0, len(keys) - 1}, set()
-    direction, size, at = 0, None, None        # the last forecast's size trend, size and step
     for h, key in enumerate(keys):
-        forecast = key is not None and key[0] == "forecast"
-        kind = key[:3] if forecast else key
+        kind = key[:3] if key is not None and key[0] == "forecast" else key
         if kind not in seen:
             seen.add(kind)
             searched.add(h)
-        if forecast:
-            n = key[3]
-            step = 0 if size is None else (n > size) - (n < size)
-            if step and direction and step != direction:
-                searched.add(at)                          # the forecast before held the extreme size
-            direction, size, at = step or direction, n, h
     return searched
 
 
@@ -443,7 +434,8 @@ def steady_state(model: IterationModel, forecast: LengthForecast, iterations: in
     if start == 0:            # the forecast's own samples, which it uses until it has seen a task
         samples = {b: forecast.prior(b) for b in needed}
     else:
-        samples = {b: workload_sample(w, forecast.seed, start + b, forecast.ppb, forecast.spp) for b in needed}
+        samples = {b: workload_sample(w, forecast.seed, start + b, forecast.ppb, forecast.spp,
+                                      max_rounds=forecast.max_rounds) for b in needed}
 
     def predict(k: int) -> Prediction:
         return Prediction.mean([model.expected(samples[b], samples[(b - 1) % period], k) for b in phases])
@@ -467,7 +459,8 @@ def choose_migration(job, cost) -> tuple[int, int, str]:
                                            "sequentially, one group at a time: a hand-off would move work "
                                            "without shortening it)")
     r = job.rollout
-    forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt)
+    forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt,
+                              generation_rounds(job.trainer))
     fixed = None if POLICIES[job.policy.name].chooses_start else int(job.policy.train_ranks)
 
     plain = IterationModel.for_job(job, cost)

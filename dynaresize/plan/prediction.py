@@ -11,6 +11,8 @@ the oracle (dynaresize.sim) and the start-up choice of a split (`policy.train_ra
 - `LengthForecast` says what a batch not generated yet will look like, from what a real system
   knows: the lengths of the batches already generated (per task of a mixture), their trend, and the
   configuration (the response cap of each batch, how many prompts a batch has, which task it is).
+  A batch of DAPO's dynamic sampling is replayed with the rounds it took and the groups it trained:
+  how many rounds the next one takes depends on rewards not drawn yet.
   It never reads a batch's hidden response lengths before the batch is generated. A response cut
   at its batch's cap says only that it would have been at least that long: past a cap rise, those
   responses are given the lengths of the tail a log-normal fitted to the batch puts beyond the old
@@ -34,7 +36,7 @@ from .costmodel import CostModel
 from .migration import tail_schedule
 from .placement import assign_micro_batches, place_prompts
 from .stealing import claim_schedule, queue_order
-from ..data.shapes import batch_shape, generated_prompts, response_cap, task_index
+from ..data.shapes import filtered_shape, response_cap, task_index
 from . import switchplan
 from .roles import RoleTable
 
@@ -52,25 +54,37 @@ class Lengths:
     what it priced on a batch as long as the batch lives (a forecast's members are reused)."""
     prompt_lens: np.ndarray      # (prompts,)
     response_lens: np.ndarray    # (prompts, samples per prompt)
-    trained_prompts: int         # the trainer takes prompt groups 0 .. trained_prompts - 1
+    trained: np.ndarray          # the prompt groups the trainer takes, in order
+    rounds: tuple[int, ...] = ()     # prompt groups generated in each round (dynamic sampling); (): one
 
     @classmethod
     def of(cls, shape) -> "Lengths":
-        return cls(np.asarray(shape.prompt_lens), np.asarray(shape.response_lens), int(shape.trained_prompts))
+        return cls(np.asarray(shape.prompt_lens), np.asarray(shape.response_lens), np.asarray(shape.trained),
+                   tuple(shape.rounds))
 
     @property
     def prompts(self) -> int:
         return len(self.prompt_lens)
 
+    @property
+    def trained_prompts(self) -> int:
+        return len(self.trained)
+
+    def round_slices(self) -> list[slice]:
+        """The prompt groups of each round (one slice: one round)."""
+        ends = np.cumsum(self.rounds or (self.prompts,))
+        return [slice(int(a), int(b)) for a, b in zip(np.concatenate(([0], ends[:-1])), ends)]
+
     def to_data(self) -> dict:
         return {"prompt_lens": self.prompt_lens.tolist(), "response_lens": self.response_lens.tolist(),
-                "trained_prompts": self.trained_prompts}
+                "trained": self.trained.tolist(), "rounds": list(self.rounds)}
 
     @classmethod
     def from_data(cls, d: dict) -> "Lengths":
+        trained = d["trained"] if "trained" in d else range(d["trained_prompts"])   # a checkpoint of before
         return cls(np.asarray(d["prompt_lens"], np.int64),
                    np.asarray(d["response_lens"], np.int64).reshape(len(d["prompt_lens"]), -1),
-                   int(d["trained_prompts"]))
+                   np.asarray(trained, np.int64), tuple(d.get("rounds", ())))
 
 
 @dataclass(frozen=True)
@@ -136,11 +150,19 @@ class IterationModel:
         return self._memo(batch, ("rollout", k), lambda: self._read_only(self.price_rollout(batch, k)))
 
     def price_rollout(self, batch: Lengths, k: int) -> np.ndarray:
-        """rollout_times, computed (not kept): what a pricing worker runs (dynaresize.plan.pricing)."""
+        """rollout_times, computed (not kept): what a pricing worker runs (dynaresize.plan.pricing).
+        Rounds of dynamic sampling run one after another, each placed on its own: a rank starts
+        the next round when the last rank has ended the one before (they count the groups whose
+        rewards differ together)."""
         R = self.world - k
         if self.migration is not None and R >= 2:
             return tail_schedule(self.cm, *self.rollout_cuts(batch, k), self.migration[1])[0]
-        return self.cm.rollout_times(place_prompts(batch.prompt_lens, R), batch.prompt_lens, batch.response_lens, R)
+        start = 0.0
+        for part in batch.round_slices():
+            prompts, responses = batch.prompt_lens[part], batch.response_lens[part]
+            times = start + self.cm.rollout_times(place_prompts(prompts, R), prompts, responses, R)
+            start = float(times.max())
+        return times
 
     @staticmethod
     def _read_only(times: np.ndarray) -> np.ndarray:
@@ -169,8 +191,8 @@ class IterationModel:
     def micro_batch_tokens(self, batch: Lengths) -> np.ndarray:
         """The tokens of each micro-batch of the trained samples, in index order (as the trainer cuts them)."""
         def count() -> np.ndarray:
-            n = batch.trained_prompts
-            tok = (batch.prompt_lens[:n, None] + batch.response_lens[:n]).ravel().astype(np.float64)
+            rows = batch.trained
+            tok = (batch.prompt_lens[rows, None] + batch.response_lens[rows]).ravel().astype(np.float64)
             out = np.bincount(np.arange(len(tok)) // self.mbs, weights=tok)
             out.flags.writeable = False
             return out
@@ -301,11 +323,12 @@ class IterationModel:
 
 
 def workload_sample(workload, seed: int, b: int, prompts_per_batch: int, samples_per_prompt: int,
-                    n: int = ENSEMBLE) -> list[Lengths]:
+                    n: int = ENSEMBLE, max_rounds: int = 1) -> list[Lengths]:
     """n equally likely batches of the configured workload at batch index b: its task, cap, growth
-    and prompt count, with lengths drawn from streams of their own (never the real batch b's)."""
-    return [Lengths.of(batch_shape(workload, seed + _PRIOR_STREAM + i, b, prompts_per_batch, samples_per_prompt))
-            for i in range(n)]
+    and prompt count (and rounds of dynamic sampling, up to `max_rounds`, with its signal share),
+    with lengths drawn from streams of their own (never the real batch b's)."""
+    return [Lengths.of(filtered_shape(workload, seed + _PRIOR_STREAM + i, b, prompts_per_batch, samples_per_prompt,
+                                      max_rounds)) for i in range(n)]
 
 
 def uncensor(lengths: np.ndarray, cut: int) -> np.ndarray:
@@ -339,8 +362,9 @@ class LengthForecast:
     not seen yet is a sample of the configured workload (drawn with a seed of its own, not the
     real batches)."""
 
-    def __init__(self, workload, seed: int, prompts_per_batch: int, samples_per_prompt: int):
+    def __init__(self, workload, seed: int, prompts_per_batch: int, samples_per_prompt: int, max_rounds: int = 1):
         self.w, self.seed, self.ppb, self.spp = workload, seed, prompts_per_batch, samples_per_prompt
+        self.max_rounds = max_rounds      # dynamic sampling's rounds, for the configured workload's sample
         self.generated: dict[int, Lengths] = {}          # recent generated batches, by index
         self.recent: dict[int, deque] = {}                # task -> (batch index, lengths), newest last
         self._growth: dict[int, float] = {}               # task -> growth(task), until it sees a batch
@@ -398,7 +422,7 @@ class LengthForecast:
         """ENSEMBLE samples of the configured workload at batch b (start-up, tasks not seen yet),
         the same objects until batch b is generated."""
         if b not in self._priors:
-            self._priors[b] = workload_sample(self.w, self.seed, b, self.ppb, self.spp)
+            self._priors[b] = workload_sample(self.w, self.seed, b, self.ppb, self.spp, max_rounds=self.max_rounds)
         return self._priors[b]
 
     def replayed(self, b: int) -> int:
@@ -419,24 +443,21 @@ class LengthForecast:
         if task not in self.recent:
             return self.prior(b), ("prior", b)
         growth, cap = self.growth(task), response_cap(self.w, b)
-        n = generated_prompts(self.w, b, self.ppb)
         members, key = [], []
         for b0, seen in self.recent[task]:
             scale = math.exp(growth * (b - b0))
             cut = response_cap(self.w, b0)
             cap_rises = cut < cap and seen.response_lens.max(initial=0) >= cut
-            if scale == 1.0 and not cap_rises and n == seen.prompts and seen.trained_prompts == min(self.ppb, n) \
-                    and 1 <= seen.response_lens.min() and seen.response_lens.max() <= cap:
+            if scale == 1.0 and not cap_rises and 1 <= seen.response_lens.min() and seen.response_lens.max() <= cap:
                 members.append(seen)                  # the batch as seen
             else:
                 if self._members.get((b0, b), (None,))[0] != scale:
-                    rows = np.arange(n) % seen.prompts    # a batch of another size repeats the rows seen
                     lens = uncensor(seen.response_lens, cut) if cap_rises else seen.response_lens
-                    lens = np.clip(np.round(lens[rows] * scale), 1, cap).astype(np.int64)
-                    self._members[b0, b] = scale, Lengths(seen.prompt_lens[rows], lens, min(self.ppb, n))
+                    lens = np.clip(np.round(lens * scale), 1, cap).astype(np.int64)
+                    self._members[b0, b] = scale, Lengths(seen.prompt_lens, lens, seen.trained, seen.rounds)
                 members.append(self._members[b0, b][1])
             key.append((b0, round(scale, 2)))
-        return members, ("forecast", task, cap, n, *key)
+        return members, ("forecast", task, cap, *key)
 
     def state(self) -> dict:
         """What was observed, as plain data (JSON): lists of [batch or task, ...] pairs."""

@@ -1,7 +1,9 @@
 """Checkpoints for preemption and requeue, and exact resume.
 
-A checkpoint is taken at an iteration boundary, every `run.checkpoint_every` iterations and when
-Slurm warns that the job will end (preemption.py). It holds everything the next iteration depends on:
+A checkpoint is taken at an iteration boundary: every `run.checkpoint_every` iterations, after the
+last iteration that generates (before the pipeline's drain, so that a finished run can be continued
+with a larger `run.iterations`), and when Slurm warns that the job will end (preemption.py). It
+holds everything the next iteration depends on:
 - each train rank's optimizer shard (float32 master weights and AdamW moments, with the step
   count), in the staging format (HDF5, per-chunk CRC32): the full weights are their concatenation;
 - rank 0's state, as data (state.json, no pickles): the last completed iteration, the role table,
@@ -41,6 +43,7 @@ LEGACY_STATE_FILE = "state.pkl"    # format 1 (pickles), refused
 FIXED = ("cluster.ranks", "run.seed", "run.max_lag", "run.mode", "model", "workload", "data", "reward", "trainer", "policy",
          "rollout.engine", "rollout.prompts_per_batch", "rollout.samples_per_prompt", "rollout.temperature",
          "rollout.ignore_eos", "hardware")
+FREE = ("data.val_files",)        # inside FIXED, but what it changes (the evaluation) trains nothing
 
 
 @dataclass
@@ -66,8 +69,10 @@ def latest(run_dir: str) -> str | None:
 def checkpoint_if_due(job, it: int, ready: list, decision, warned: bool) -> str | None:
     """Write a checkpoint after iteration `it` if one is due (or Slurm `warned` of the job's end);
     its directory if written."""
-    every = job.cfg.run.checkpoint_every
-    if not (warned or (every > 0 and (it + 1) % every == 0)):
+    every, iterations = job.cfg.run.checkpoint_every, job.cfg.run.iterations
+    if it >= iterations:                # the drain: a run continued from here would train nothing
+        return None
+    if not (warned or (every > 0 and ((it + 1) % every == 0 or it == iterations - 1))):
         return None
     job.settle_background()
     job.set_status(f"checkpoint (after iteration {it}, writing {CHECKPOINTS}/iter-{it:06d})")
@@ -135,6 +140,27 @@ def find_resume(run_dir: str) -> ResumeState | None:
                        Decision(**d) if d is not None else None, s["run_id"], s["config"])
 
 
+def completed(cfg: JobConfig) -> str | None:
+    """If `cfg`'s run directory holds a finished run of at least `run.iterations` iterations, what
+    to say (the launcher then stops with exit code 0); None otherwise."""
+    from ..timeline.reader import TIMELINE_FILE, open_timeline
+    from ..timeline.schema import TimelineError
+    path = os.path.join(cfg.run.output_dir, TIMELINE_FILE)
+    try:
+        with open_timeline(path) as f:
+            if not f.attrs.get("complete", False):
+                return None
+            generated = f["iterations"]["generated_batch"]
+            done = int(generated.max()) + 1 if len(generated) else 0
+    except (OSError, TimelineError):
+        return None
+    if done < cfg.run.iterations:
+        return None
+    more = (f"; give a larger run.iterations to continue it from {latest(cfg.run.output_dir)}"
+            if latest(cfg.run.output_dir) else "")
+    return f"{cfg.run.output_dir} is a finished run of {done} iterations: nothing to do{more}"
+
+
 def check_resume(cfg: JobConfig) -> None:
     """Refuse, before anything starts or is written, to resume a checkpoint of `cfg`'s run
     directory with a configuration that computes something else (FIXED), naming the fields."""
@@ -146,7 +172,7 @@ def check_resume(cfg: JobConfig) -> None:
     now = _flat(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
     changed = [f"  {key}: {then.get(key)!r} in the checkpoint, {now.get(key)!r} now"
                for key in sorted(set(then) | set(now))
-               if key.startswith(FIXED) and then.get(key) != now.get(key)]
+               if key.startswith(FIXED) and not key.startswith(FREE) and then.get(key) != now.get(key)]
     if changed:
         raise ConfigError(f"cannot resume {resume.path} with a configuration that computes something else:\n"
                           + "\n".join(changed) + "\n  Fix: resume with the checkpoint's values (its "

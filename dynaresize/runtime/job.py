@@ -12,6 +12,7 @@ the simulator's (sim/core.py) stage by stage; the mechanisms themselves live in 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import pickle
@@ -46,10 +47,15 @@ from ..timeline.reader import TIMELINE_FILE
 from ..timeline.recorder import Recorder
 from ..timeline.schema import BACKGROUND
 from ..timeline.writer import TimelineWriter
-from .trainer import ShardedTrainer, cut_micro_batches, micro_batch_tokens
+from .trainer import (ShardedTrainer, add_step_sums, batch_figures, cut_micro_batches, differing_groups,
+                      micro_batch_tokens)
 from .types import Sample
 from ..data.datasets import make_task
-from ..data.workload import digest, sample_seed
+from ..data.shapes import generation_rounds, max_response_cap
+from ..data.workload import HELD_OUT, digest, sample_seed
+
+
+ROUND_WAIT = datetime.timedelta(hours=24)   # dynamic sampling: a round waits for the slowest rollout rank
 
 
 class Job:
@@ -89,7 +95,8 @@ class Job:
         self.pending_sends: list = []     # tail migration: this iteration's messages to tail ranks
         # work stealing's claims and tail migration's tickets: a store; a rollout rank's copy of the
         # weights to help with
-        self.store = ctrl.make_store() if cfg.trainer.work_stealing or cfg.rollout.migration_threshold > 0 else None
+        self.store = ctrl.make_store() if (cfg.trainer.work_stealing or cfg.rollout.migration_threshold > 0
+                                           or cfg.trainer.filter_groups) else None
         self.helper: ShardedTrainer | None = None
 
         self.end_warned = False          # Slurm warned of the job's end, agreed by all ranks
@@ -132,6 +139,10 @@ class Job:
         self.pending_batch: list[Sample] = resume.pending_batch if resume else []
         self.pending_decision: Decision | None = resume.pending_decision if resume else None
         self._new_samples: list[Sample] = []
+        self._step_sums: dict[str, float] = {}   # this iteration's train step, this rank's micro-batches
+        self._step: dict[str, float] = {}        # rank 0: the step's batch-wide figures
+        self._eval: dict[str, float] = {}        # rank 0: this iteration's eval/* metrics
+        self._held_out = None                    # the evaluation's prompts, made on first use
         self._t_begin = 0.0
         self.writer = self._open_timeline(resume) if self.rank == 0 else None
         self.metrics = None
@@ -145,7 +156,7 @@ class Job:
         if getattr(self.policy, "start_reason", "") and resume is None and self.rank == 0:
             print(f"[dynaresize] {self.policy.start_reason}", flush=True)
         if resume is not None and self.rank == 0:
-            print(f"[dynaresize] resumed from {resume.path} (iteration {resume.iteration + 1} done, "
+            print(f"[dynaresize] resumed from {resume.path} (iterations 0-{resume.iteration} done, "
                   f"split {self.table.describe()})", flush=True)
 
     # --- start-up ----------------------------------------------------------------------------
@@ -236,20 +247,49 @@ class Job:
 
     def rollout(self, it: int, batch: int) -> list[Sample]:
         """Generate this rank's share of batch `batch`: whole prompt groups, placed by prompt length
-        (a response's length is unknown until it is generated)."""
+        (a response's length is unknown until it is generated). With dynamic sampling
+        (trainer.filter_groups) in rounds of new prompt groups, until enough of them have
+        rewards that differ (the rollout ranks count them together)."""
         if not self.table.generates(self.rank):
             return []
+        r, rounds = self.cfg.rollout, generation_rounds(self.cfg.trainer)
+        samples: list[Sample] = []
+        signal = 0
+        for round_ in range(rounds):
+            prompts = self.task.batch(self.cfg.run.seed, batch, r.prompts_per_batch, r.samples_per_prompt, round_)
+            first = round_ * r.prompts_per_batch          # prompt indices go on across rounds
+            prompts = [dataclasses.replace(p, index=first + p.index) for p in prompts]
+            mine = self._generate(it, batch, prompts, round_ if rounds > 1 else None)
+            samples += mine
+            if rounds > 1:
+                signal += self._count_together(f"signal/{batch}/{round_}", len(differing_groups(mine)))
+                if signal >= r.prompts_per_batch:
+                    break
+        return samples
+
+    def _count_together(self, key: str, mine: int) -> int:
+        """The sum of every rollout rank's `mine` under `key` (through the job's store: the train
+        ranks, busy with their own stage, take no part)."""
+        self.store.add(key, mine)
+        if self.store.add(f"{key}/arrived", 1) == self.table.num_rollout:
+            self.store.set(f"{key}/done", b"1")
+        self.store.wait([f"{key}/done"], ROUND_WAIT)     # the slowest rank's round: the tail may be long
+        return self.store.add(key, 0)
+
+    def _generate(self, it: int, batch: int, prompts, round_: int | None) -> list[Sample]:
+        """This rank's share of `prompts` (one round of the batch), generated and scored."""
         r, seed = self.cfg.rollout, self.cfg.run.seed
-        prompts = self.task.batch(seed, batch, r.prompts_per_batch, r.samples_per_prompt)
         assign = place_prompts([len(p.tokens) for p in prompts], self.table.num_rollout)
         mine = placement_lists(assign, self.table.num_rollout)[self.table.rollout_ranks().index(self.rank)]
-        requests = [GroupRequest(prompts[i], tuple(sample_seed(seed, batch, i, j)
+        requests = [GroupRequest(prompts[i], tuple(sample_seed(seed, batch, prompts[i].index, j)
                                                    for j in range(r.samples_per_prompt)),
-                                 first_index=i * r.samples_per_prompt) for i in mine]
-        self.set_status(f"rollout (iteration {it}, batch {batch}, {self.table.describe()})")
+                                 first_index=prompts[i].index * r.samples_per_prompt) for i in mine]
+        self.set_status(f"rollout (iteration {it}, batch {batch}{'' if round_ is None else f', round {round_}'}, "
+                        f"{self.table.describe()})")
         tails = self._tail_roster(it)
         handoffs = []
-        with self.rec.span(it, "rollout", self.role, batch=batch, groups=len(mine)) as ev:
+        where = {} if round_ is None else {"round": round_}
+        with self.rec.span(it, "rollout", self.role, batch=batch, groups=len(mine), **where) as ev:
             if tails is not None:
                 finished, handoffs = self.engine.generate_until(requests, r.temperature, r.migration_threshold)
             else:
@@ -324,8 +364,17 @@ class Job:
     def train(self, it: int, batch: list[Sample]) -> None:
         if not batch:
             return
-        # Over-sampled batches (workload.oversample): the trainer takes the first prompt groups.
-        batch = [s for s in batch if s.index < self.cfg.batch_size]
+        if self.cfg.trainer.filter_groups:       # DAPO's dynamic sampling: groups whose rewards differ
+            kept = differing_groups(batch)[:self.cfg.rollout.prompts_per_batch]
+            if len(kept) < self.cfg.rollout.prompts_per_batch and self.rank == 0:
+                print(f"[dynaresize] warning: batch {batch[0].batch}: only {len(kept)} of "
+                      f"{self.cfg.rollout.prompts_per_batch} prompt groups have rewards that differ after "
+                      f"{self.cfg.trainer.filter_max_rounds} rounds (trainer.filter_max_rounds); training on "
+                      f"them", flush=True)
+            kept = set(kept)
+            batch = [s for s in batch if s.prompt in kept]
+            if not batch:
+                return
         if not self.table.trains(self.rank):
             if self.helper is not None:
                 self.steal(it, batch)
@@ -344,6 +393,10 @@ class Job:
             self.trainer.resolve_pending()     # a resize's stage-in of this rank's new range, if still reading
             ready = self.ctrl.now()
             self.trainer.apply_gradient(grad)                        # optimizer step, all-gather
+            add_step_sums(self._step_sums, info["sums"])
+            if self.rank == 0:
+                self._step = {"grad_norm": info["grad_norm"], "grad_norm_clipped": info["grad_norm_clipped"],
+                              "lr": self.cfg.trainer.lr, **batch_figures(batch)}
             ev["tokens"] = info["tokens"]
             ev["attrs"].update(loss=round(info["loss"], 6), grad_norm=round(info["grad_norm"], 6),
                                micro_batches=info["micro_batches"])
@@ -377,7 +430,8 @@ class Job:
             self.rec.record(it, "steal", self.role, last[0], end, tokens, batch=b, micro_batch=i)
             last[0] = end
 
-        self.helper.help_step(batch, queue, self.table.train_ranks(), each)
+        info = self.helper.help_step(batch, queue, self.table.train_ranks(), each)
+        add_step_sums(self._step_sums, info["sums"])
         if self.cost and last[0] > device_s.start:     # emulation: the send of the sum lasts its price
             time.sleep(max(last[0] + send_s - self.ctrl.now(), 0.0))
         self._helper_engine(it, "engine_start", wake_s)
@@ -422,6 +476,40 @@ class Job:
             if self.cost:
                 self.emulate(ev, self.cost.weight_sync_time(ranks=1 + self.table.num_rollout))
 
+    def evaluate(self, it: int) -> None:
+        """Held-out evaluation (eval.*) with the weights of this iteration's sync: the generating
+        ranks generate for the held-out prompts (placed as a batch is, by prompt length) and score
+        them; rank 0 gathers the rewards into this iteration's eval/* metrics."""
+        e, seed = self.cfg.eval, self.cfg.run.seed ^ HELD_OUT
+        results = []
+        if self.table.generates(self.rank):
+            if self._held_out is None:
+                self._held_out = self.task.held_out(self.cfg.run.seed, e.prompts, e.samples_per_prompt,
+                                                    max_response_cap(self.cfg.workload))
+            prompts, ranks = self._held_out, self.table.rollout_ranks()
+            assign = place_prompts([len(p.tokens) for p in prompts], len(ranks))
+            mine = placement_lists(assign, len(ranks))[ranks.index(self.rank)]
+            requests = [GroupRequest(prompts[i], tuple(sample_seed(seed, 0, i, j) for j in range(e.samples_per_prompt)),
+                                     first_index=i * e.samples_per_prompt) for i in mine]
+            self.set_status(f"eval (iteration {it}, {len(mine)} held-out prompts)")
+            with self.rec.span(it, "eval", self.role, groups=len(mine)) as ev:
+                generated = self.engine.generate(requests, e.temperature)
+                for req, group in zip(requests, generated):
+                    results += [(req.prompt.index, j, self.score(req.prompt, g.tokens, -1, req.first_index + j),
+                                 len(g.tokens)) for j, g in enumerate(group)]
+                ev["tokens"] = sum(r[3] for r in results)
+                if self.cost:
+                    self.emulate(ev, self.cost.rollout_time([list(req.prompt.response_lens) for req in requests],
+                                                            [len(req.prompt.tokens) for req in requests]))
+        parts = self.ctrl.gather(results)
+        if self.rank == 0:
+            from ..analysis.metrics import eval_metrics        # pandas: rank 0 only
+            rows = sorted(r for part in parts for r in part)
+            prompts = len(rows) // e.samples_per_prompt
+            shape = (prompts, e.samples_per_prompt)
+            self._eval = eval_metrics(np.array([r[2] for r in rows]).reshape(shape),
+                                      np.array([r[3] for r in rows]).reshape(shape), e.pass_reward)
+
     def emulate(self, event: dict, device_s: float) -> None:
         """run.mode=emulate: stretch a stage or switch operation to `device_s`, the time the
         profile's device would take for this work (one that took longer stays longer); both times
@@ -441,19 +529,28 @@ class Job:
         """Gather events to rank 0, write the timeline, decide the next split, broadcast it."""
         self.settle_background()
         self.set_status(f"end_iteration (iteration {it}: gathering events, deciding the next split)")
-        report = (self._t_begin, self.ctrl.now(), self.rec.take(), preemption.warned())
+        report = (self._t_begin, self.ctrl.now(), self.rec.take(), preemption.warned(), self._step_sums)
         reports = self.ctrl.gather(report)
+        self._step_sums = {}
         decision, warned = None, False
         if self.rank == 0:
             warned = any(r[3] for r in reports)
             events = [e for r in reports for e in r[2]]
             start, end = min(r[0] for r in reports), max(r[1] for r in reports)
             # One set of numbers for the policy, the progress line and the user's metrics backends.
+            step_sums: dict[str, float] = {}
+            for r in reports:
+                add_step_sums(step_sums, r[4])
             metrics = self.iteration_metrics(events, self._new_samples, start, end,
                                              {r: self.table.role_of(r).value for r in range(self.world)},
-                                             self.table.num_train, self.table.num_rollout)
+                                             self.table.num_train, self.table.num_rollout, step_sums, self._step,
+                                             self.score.finished)
+            metrics.update(self._eval)
+            self._step, self._eval = {}, {}
+            if self.cfg.log.generations_every > 0 and it % self.cfg.log.generations_every == 0 and self._new_samples:
+                self.metrics.log_generations(it, self._generations(it))
             decision = self.policy.decide_timed(self._iteration_stats(it, metrics, generated, trained))
-            self._write_timeline(it, events, start, end, generated, trained, decision)
+            self._write_timeline(it, events, start, end, generated, trained, decision, metrics)
             self.metrics.log(it, metrics)
             if "console" in self.cfg.logger:
                 self._print_progress(it, metrics)
@@ -534,9 +631,17 @@ class Job:
                               switch_time=metrics["time/switch_critical"],
                               generated_batch=-1 if generated is None else generated,
                               trained_batch=-1 if trained is None else trained,
-                              lengths=batch_lengths(self._new_samples, self.cfg.rollout) if self._new_samples else None)
+                              lengths=batch_lengths(self._new_samples, self.cfg.rollout, self.cfg.trainer)
+                              if self._new_samples else None)
 
-    def _write_timeline(self, it, events, start, end, generated, trained, decision: Decision) -> None:
+    def _generations(self, it: int) -> list[dict]:
+        """The first `log.generations` samples generated in iteration `it`, as text."""
+        return [{"iteration": it, "batch": s.batch, "sample": s.index, "prompt": self.task.decode(s.prompt_tokens),
+                 "response": self.task.decode(s.response), "reward": s.reward, "response_tokens": len(s.response),
+                 "finished": self.score.finished(s.response)} for s in self._new_samples[:self.cfg.log.generations]]
+
+    def _write_timeline(self, it, events, start, end, generated, trained, decision: Decision,
+                        metrics: dict[str, float]) -> None:
         w = self.writer
         w.append("events", events)
         w.append("iterations", [{"iteration": it, "table_version": self.table.version,
@@ -549,15 +654,22 @@ class Job:
                               "response_len": len(s.response), "length_cap": s.length_cap,
                               "reward": s.reward, "digest": digest(s.response)} for s in self._new_samples])
         w.append("decisions", [decision.row(self.table.version + int(decision.moves))])
+        w.append("metrics", [{"iteration": it, "name": name, "value": value} for name, value in metrics.items()])
         w.flush()
 
     def _print_progress(self, it, m: dict) -> None:
-        total = self.cfg.run.iterations + self.cfg.run.max_lag
-        print(f"[dynaresize] iter {it + 1:>3}/{total}  split {self.table.describe():>7}  "
-              f"rollout {m['time/rollout']:6.2f}s  train {m['time/train']:6.2f}s  "
-              f"sync {m['time/weight_sync']:5.2f}s  bubble {m['bubble/all']:4.0%}  "
-              f"reward {m.get('reward/mean', float('nan')):.3f}  {m['throughput/tokens_per_s']:7.0f} tok/s",
-              flush=True)
+        """One line per iteration, numbered as the timeline, TensorBoard and the Gantt chart number
+        it (from 0; then how far the run is). The pipeline's drain, which trains the last batch
+        after the last iteration (max_lag 1), is not an iteration: its line says so."""
+        n = self.cfg.run.iterations
+        head = f"iter {it:>3} ({it + 1}/{n})" if it < n else f"{'drain':<{9 + 2 * len(str(n))}}"
+        line = (f"[dynaresize] {head}  split {self.table.describe():>7}  rollout {m['time/rollout']:6.2f}s  "
+                f"train {m['time/train']:6.2f}s  sync {m['time/weight_sync']:5.2f}s  bubble {m['bubble/all']:4.0%}")
+        if it < n:
+            line += f"  reward {m.get('reward/mean', float('nan')):.3f}  {m['throughput/tokens_per_s']:7.0f} tok/s"
+        else:
+            line += "  (the last batch trains)"
+        print(line, flush=True)
 
 
 class MicroBatchClock:
@@ -574,16 +686,20 @@ class MicroBatchClock:
             time.sleep(max(self.start + self.total - self.now(), 0.0))
 
 
-def batch_lengths(samples: list[Sample], rollout) -> Lengths:
-    """The prompt and response lengths of a generated batch (sample index = prompt x group size + j)."""
-    spp = rollout.samples_per_prompt
+def batch_lengths(samples: list[Sample], rollout, trainer) -> Lengths:
+    """The prompt and response lengths of a generated batch (sample index = prompt x group size + j),
+    its rounds and the groups the trainer takes (dynamic sampling: those whose rewards differ)."""
+    spp, ppb = rollout.samples_per_prompt, rollout.prompts_per_batch
     prompts = max(s.prompt for s in samples) + 1
     prompt_lens = np.zeros(prompts, dtype=np.int64)
     response_lens = np.zeros((prompts, spp), dtype=np.int64)
     for s in samples:
         prompt_lens[s.prompt] = len(s.prompt_tokens)
         response_lens[s.prompt, s.index - s.prompt * spp] = len(s.response)
-    return Lengths(prompt_lens, response_lens, min(rollout.prompts_per_batch, prompts))
+    if not trainer.filter_groups:
+        return Lengths(prompt_lens, response_lens, np.arange(min(ppb, prompts)))
+    trained = np.asarray(differing_groups(samples)[:ppb], dtype=np.int64)
+    return Lengths(prompt_lens, response_lens, trained, (ppb,) * (prompts // ppb))
 
 
 def threads_per_rank(ctrl: ControlPlane) -> int:

@@ -7,8 +7,9 @@ that a run can be watched live in the tools people already use.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:               # the config check imports this module: keep tor
     from .types import Sample
 
 BACKENDS = ("console", "tensorboard", "wandb")
+GENERATIONS_FILE = "generations.jsonl"     # in the run directory: log.generations samples as text
 # Backend -> (package it needs, the extra that installs it).
 _PACKAGES = {"tensorboard": ("tensorboard", "dynaresize[tensorboard]"),
              "wandb": ("wandb", "dynaresize[wandb]")}
@@ -33,14 +35,19 @@ def _slowest_rank(events: list[dict], keep) -> float:
 
 
 def iteration_metrics(events: list[dict], samples: list[Sample], start: float, end: float,
-                      roles: dict[int, str], train_ranks: int, rollout_ranks: int) -> dict[str, float]:
+                      roles: dict[int, str], train_ranks: int, rollout_ranks: int,
+                      step_sums: dict | None = None, step: dict | None = None,
+                      finished: Callable[[list[int]], bool] = lambda tokens: False) -> dict[str, float]:
     """One iteration's metrics as a flat dict with slash-grouped keys (TensorBoard groups them).
 
     `events`: the iteration's events (dicts with rank, name, start, end, critical, tokens);
-    `samples`: the samples generated in it; `roles`: rank -> role for every rank 0..world-1.
+    `samples`: the samples generated in it; `roles`: rank -> role for every rank 0..world-1;
+    `step_sums`, `step`: the train step's sums and step-wide figures (train/*, none if it did not
+    train); `finished(tokens)`: whether a response ended at end-of-sequence (else it was cut).
     Reward and length keys are left out when there are no samples.
     """
-    from dynaresize.analysis.metrics import iteration_bubble, iteration_role_bubbles   # pandas: rank 0 only
+    from dynaresize.analysis.metrics import (iteration_bubble, iteration_role_bubbles,   # pandas: rank 0 only
+                                             train_step_metrics)
 
     span = end - start
     out: dict[str, float] = {}
@@ -54,6 +61,9 @@ def iteration_metrics(events: list[dict], samples: list[Sample], start: float, e
         out["response_length/p99"] = float(np.percentile(lengths, 99))
         out["response_length/max"] = float(lengths.max())
         out["prompt_length/mean"] = float(np.mean([len(s.prompt_tokens) for s in samples]))
+        out["response/truncated"] = float(np.mean([not finished(s.response) for s in samples]))
+    if step_sums:
+        out.update(train_step_metrics(step_sums, step or {}))
     out["split/train_ranks"] = float(train_ranks)
     out["split/rollout_ranks"] = float(rollout_ranks)
     out["time/iteration"] = span
@@ -68,6 +78,12 @@ def iteration_metrics(events: list[dict], samples: list[Sample], start: float, e
     tokens = sum(e["tokens"] for e in events if e["name"] == "rollout")
     out["throughput/tokens_per_s"] = tokens / span if span > 0 else float("nan")
     return out
+
+
+def _cell(text: str, limit: int = 300) -> str:
+    """Text for a Markdown table cell (TensorBoard renders text summaries as Markdown)."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def check_backends(backends: list[str]) -> list[str]:
@@ -99,6 +115,7 @@ class MetricsLogger:
         problems = check_backends(backends)
         if problems:
             raise ValueError("\n".join(problems))
+        self.generations_path = os.path.join(run_dir, GENERATIONS_FILE)
         self._writer: Any = None
         self._wandb_run: Any = None
         # Imported only when selected: neither package is a dependency of the job.
@@ -118,6 +135,23 @@ class MetricsLogger:
             self._writer.flush()    # a crash keeps every iteration written so far
         if self._wandb_run is not None:
             self._wandb_run.log(metrics, step=iteration)
+
+    def log_generations(self, iteration: int, rows: list[dict]) -> None:
+        """A few generated samples as text (prompt, response, reward, ...): appended to
+        RUN_DIR/generations.jsonl, and to TensorBoard (text) and wandb (a Table) when selected."""
+        with open(self.generations_path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        if self._writer is not None:
+            table = "| sample | reward | prompt | response |\n|---|---|---|---|\n" + "\n".join(
+                f"| {r['sample']} | {r['reward']:.3f} | {_cell(r['prompt'])} | {_cell(r['response'])} |" for r in rows)
+            self._writer.add_text("generations", table, iteration)
+            self._writer.flush()
+        if self._wandb_run is not None:
+            import wandb
+            columns = list(rows[0]) if rows else []
+            self._wandb_run.log({"generations": wandb.Table(columns=columns, data=[[r[c] for c in columns]
+                                                                                  for r in rows])}, step=iteration)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -45,6 +45,40 @@ def group_advantages(samples: list[Sample]) -> dict[int, float]:
     return adv
 
 
+def k3(logp_p: torch.Tensor, logp_q: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(q || p) per token from log-probs of tokens sampled from q:
+    exp(log p - log q) - (log p - log q) - 1 (non-negative, unbiased)."""
+    log_r = logp_p - logp_q
+    return torch.exp(log_r) - log_r - 1
+
+
+def add_step_sums(total: dict[str, float], part: dict[str, float]) -> None:
+    """Add one part's sums of a train step's per-token quantities into `total` (`ratio_max`: the
+    maximum), as micro-batches, ranks and helpers each hand in theirs."""
+    for key, value in part.items():
+        total[key] = max(total.get(key, value), value) if key.endswith("_max") else total.get(key, 0.0) + value
+
+
+def differing_groups(samples: list[Sample]) -> list[int]:
+    """The prompt groups of `samples` whose rewards are not all equal (GRPO learns from those
+    only), in prompt order: what DAPO's dynamic sampling keeps."""
+    rewards: dict[int, set[float]] = {}
+    for s in samples:
+        rewards.setdefault(s.prompt, set()).add(s.reward)
+    return sorted(p for p, r in rewards.items() if len(r) > 1)
+
+
+def batch_figures(samples: list[Sample]) -> dict[str, float]:
+    """A trained batch's advantage mean and standard deviation and the share of its prompt groups
+    whose rewards are all equal (zero advantage: no signal)."""
+    adv = torch.tensor(list(group_advantages(samples).values()), dtype=torch.float64)
+    rewards: dict[int, set[float]] = {}
+    for s in samples:
+        rewards.setdefault(s.prompt, set()).add(s.reward)
+    return {"advantage_mean": float(adv.mean()), "advantage_std": float(adv.std(unbiased=False)),
+            "zero_variance_groups": sum(len(r) == 1 for r in rewards.values()) / max(len(rewards), 1)}
+
+
 def cut_micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
     """The batch in index order, cut into micro-batches of `size` samples (fixed composition)."""
     samples = sorted(samples, key=lambda s: s.index)
@@ -168,10 +202,12 @@ class ShardedTrainer:
                 grad[lo:hi] += part
         if len(self.group_ranks) > 1:
             dist.all_reduce(grad, group=self.group)
-        grad_norm = float(grad.norm())
+        grad_norm = clipped_norm = float(grad.norm())
         if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
             grad.mul_(self.cfg.grad_clip / (grad_norm + 1e-6))
-        return grad.to(torch.float32), {**info, "grad_norm": grad_norm, "helpers": helpers}
+            clipped_norm = float(grad.norm())
+        return grad.to(torch.float32), {**info, "grad_norm": grad_norm, "grad_norm_clipped": clipped_norm,
+                                        "helpers": helpers}
 
     def help_step(self, samples: list[Sample], queue, train_ranks: list[int], each=None) -> dict:
         """Work stealing, on a rank outside the train group: the gradients of the micro-batches it
@@ -193,23 +229,26 @@ class ShardedTrainer:
         total_tokens = sum(len(s.response) for s in samples)
         grad = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
         loss_sum, trained_tokens, count = 0.0, 0, 0
+        stats: dict[str, float] = {}
         for i in taken:
             mb = micro_batches[i]
             # verl's old_log_prob pass: behaviour log-probs from the weights about to be updated, not
             # the engine's. Each depends on its micro-batch and the weights only (split-invariant).
             old_logp = self._old_logprobs(mb) if self.cfg.recompute_logprobs else None
-            loss = self._micro_batch_loss(mb, advantages, total_tokens, old_logp)
+            loss, mb_stats = self._micro_batch_loss(mb, advantages, total_tokens, old_logp)
+            add_step_sums(stats, mb_stats)
             loss.backward()
             for (_, view), (_, p) in zip(self.layout.views(grad), trainable_parameters(self.model)):
                 if p.grad is not None:
                     view.add_(p.grad.to(self.reduce_dtype))
                     p.grad = None
             loss_sum += float(loss.detach())
+            stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
             trained_tokens += micro_batch_tokens(mb)
             count += 1
             if each is not None:
                 each(i, micro_batch_tokens(mb))
-        return grad, {"loss": loss_sum, "tokens": trained_tokens, "micro_batches": count}
+        return grad, {"loss": loss_sum, "tokens": trained_tokens, "micro_batches": count, "sums": stats}
 
     def apply_gradient(self, grad: torch.Tensor) -> None:
         """AdamW on this rank's range of `grad`, then all-gather the ranges into the full weights."""
@@ -251,21 +290,40 @@ class ShardedTrainer:
         ids, attention, mask, engine_logp = self._pad(mb)
         old_logp = engine_logp if old_logp is None else old_logp
         adv = torch.tensor([advantages[s.index] for s in mb], device=self.device).unsqueeze(1)
-        logp = self._token_logprobs(self.model, ids, attention)
+        logp, entropy = self._token_logprobs(self.model, ids, attention, entropy=True)
         ratio = torch.exp(logp - old_logp)
         clipped = torch.clamp(ratio, 1 - self.cfg.clip_ratio, 1 + self.cfg.clip_ratio)
-        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        unclipped_loss, clipped_loss = -ratio * adv, -clipped * adv
+        policy_loss = torch.maximum(unclipped_loss, clipped_loss)
+        per_token = policy_loss
+        kl_ref = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp = self._token_logprobs(self.ref_model, ids, attention)
-            log_r = ref_logp - logp
-            per_token = per_token + self.cfg.kl_coef * (torch.exp(log_r) - log_r - 1)  # k3 estimator
-        return (per_token * mask).sum() / total_tokens
+            kl_ref = k3(ref_logp, logp)
+            per_token = per_token + self.cfg.kl_coef * kl_ref
+        with torch.no_grad():            # the training metrics: sums over this micro-batch's response tokens
+            m = mask.to(policy_loss.dtype)
+            sums = {"tokens": float(m.sum()), "policy_loss": float((policy_loss * m).sum()),
+                    "kl_behaviour": float((k3(old_logp, logp) * m).sum()),
+                    "entropy": float((entropy * m).sum()),
+                    "clipped": float(((clipped_loss > unclipped_loss) * m).sum()),
+                    "ratio": float((ratio * m).sum()),
+                    "ratio_max": float(ratio[mask].max()) if bool(mask.any()) else 0.0}
+            if kl_ref is not None:
+                sums["kl_ref"] = float((kl_ref * m).sum())
+        return (per_token * mask).sum() / total_tokens, sums
 
-    def _token_logprobs(self, model, ids, attention):
+    def _token_logprobs(self, model, ids, attention, entropy: bool = False):
+        """Log-probabilities of each next token under `model` (at the sampling temperature); with
+        `entropy`, also the entropy of each next-token distribution (not differentiated)."""
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         logp = torch.log_softmax(logits / self.temperature, -1)
-        return torch.gather(logp, 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        taken = torch.gather(logp, 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        if not entropy:
+            return taken
+        with torch.no_grad():
+            return taken, -(logp.exp() * logp).sum(-1)
 
     def _gather_flat(self) -> None:
         """All-gather every rank's updated range into the full flat vector."""

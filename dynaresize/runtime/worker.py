@@ -23,7 +23,7 @@ def run_rank(cfg: JobConfig) -> None:
 
     ctrl = ControlPlane()
     try:
-        run_iterations(Job(cfg, ctrl), cfg.run.iterations, cfg.run.max_lag)
+        run_iterations(Job(cfg, ctrl), cfg.run.iterations, cfg.run.max_lag, cfg.eval.every)
     except preemption.RequeueLimit:
         raise                     # stopped cleanly after a checkpoint, every rank: no abort
     except BaseException as e:  # noqa: BLE001 - any failure must take the job down, not hang it

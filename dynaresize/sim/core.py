@@ -42,7 +42,8 @@ from ..plan.placement import place_prompts
 from ..plan.policy import POLICIES, Decision, IterationStats, make_policy, resolve_migration
 from ..plan.prediction import IterationModel, Lengths, Prediction
 from ..plan.roles import RoleTable
-from ..data.shapes import BatchShape, batch_shape
+from ..data.shapes import BatchShape, batch_shape, filtered_shape, generation_rounds
+from ..data.workload import HELD_OUT
 from ..timeline import schema
 from ..timeline.reader import TIMELINE_FILE
 from ..timeline.writer import TimelineWriter
@@ -109,7 +110,8 @@ class Simulator:
     def batch(self, b: int) -> BatchShape:
         """The shape of batch b (prompt lengths, hidden response lengths), as the runtime's."""
         if b not in self._batches:
-            self._batches[b] = batch_shape(self.cfg.workload, self.seed, b, self.prompts, self.spp)
+            self._batches[b] = filtered_shape(self.cfg.workload, self.seed, b, self.prompts, self.spp,
+                                              generation_rounds(self.cfg.trainer))
             for old in [x for x in self._batches if x < b - 2]:
                 del self._batches[old]
         return self._batches[b]
@@ -182,7 +184,7 @@ class Simulator:
             self.events.add(-1, np.arange(self.W), np.full(self.W, NONE), "startup", 0.0, startup)
             self.clock = float(np.max(startup))
             self.writer = writer
-            run_iterations(self, self.iterations, self.lag)       # the runtime's recipe, priced
+            run_iterations(self, self.iterations, self.lag, self.cfg.eval.every)   # the runtime's recipe, priced
             wall = time.perf_counter() - wall0
             writer.close(complete=True, end_time=self.clock, sim_wall_s=wall,
                          groups_created_at_startup=0, groups_created_after_startup=0,
@@ -221,22 +223,33 @@ class Simulator:
             self.price_switch(it, self.t, decision.to_train, self.critical, self.background, self.pending)
 
     def rollout(self, it: int, b: int) -> int:
+        """Each round of the batch (one without dynamic sampling) on the rollout ranks, placed on its
+        own; a later round starts when every rollout rank has ended the one before (Job.rollout:
+        they count the groups whose rewards differ together)."""
         cm, t, roles = self.cm, self.t, self.roles()
         shape = self.batch(b)
+        lengths = Lengths.of(shape)
         rr = self.rollout_ranks()
         R = len(rr)
-        assign = place_prompts(shape.prompt_lens, R)
-        tokens = np.bincount(assign, weights=shape.response_lens.sum(axis=1), minlength=R)
-        if self.migration is not None and R >= 2:
-            dur = self.price_migration(it, t, roles, rr, Lengths.of(shape), tokens)
-        else:
-            dur = cm.rollout_times(assign, shape.prompt_lens, shape.response_lens, R) * self._noise(R)
-            self.events.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens)
-        t[rr] += dur
-        self.rollout_time = float(dur.max())
-        self.lengths = Lengths.of(shape)
+        start, owner = t[rr].copy(), np.zeros(shape.prompts, dtype=np.int64)
+        for r, part in enumerate(lengths.round_slices()):
+            prompts, responses = shape.prompt_lens[part], shape.response_lens[part]
+            assign = place_prompts(prompts, R)
+            owner[part] = rr[assign]
+            tokens = np.bincount(assign, weights=responses.sum(axis=1), minlength=R)
+            if self.migration is not None and R >= 2:
+                dur = self.price_migration(it, t, roles, rr, lengths, tokens)
+            else:
+                dur = cm.rollout_times(assign, prompts, responses, R) * self._noise(R)
+                self.events.add(it, rr, roles[rr], "rollout", t[rr], t[rr] + dur, tokens=tokens,
+                                attrs={"round": r} if shape.rounds else None)
+            t[rr] += dur
+            if r + 1 < len(shape.rounds):
+                t[rr] = t[rr].max()
+        self.rollout_time = float((t[rr] - start).max())
+        self.lengths = lengths
         if self.record_samples:
-            self.rows["samples"].append(self.sample_rows(it, b, shape, rr[assign]))
+            self.rows["samples"].append(self.sample_rows(it, b, shape, owner))
         return b
 
     def price_migration(self, it, t, roles, rr, batch: Lengths, tokens) -> np.ndarray:
@@ -278,6 +291,20 @@ class Simulator:
         end = t[part].max() + dur
         self.events.add(it, part, self.roles()[part], "weight_sync", t[part], end, nbytes=cm.weight_bytes)
         t[part] = end
+
+    def evaluate(self, it: int) -> None:
+        """Held-out evaluation (Job.evaluate): the generating ranks generate eval.prompts x
+        eval.samples_per_prompt responses, priced as a rollout of that shape with the workload's
+        lengths at iteration `it` (the policy's lengths then), on their own seed stream."""
+        e, roles, t = self.cfg.eval, self.roles(), self.t
+        shape = batch_shape(self.cfg.workload, self.seed ^ HELD_OUT, min(it, self.iterations - 1),
+                            e.prompts or self.prompts, e.samples_per_prompt)
+        rr = self.rollout_ranks()
+        assign = place_prompts(shape.prompt_lens, len(rr))
+        dur = self.cm.rollout_times(assign, shape.prompt_lens, shape.response_lens, len(rr)) * self._noise(len(rr))
+        tokens = np.bincount(assign, weights=shape.response_lens.sum(axis=1), minlength=len(rr))
+        self.events.add(it, rr, roles[rr], "eval", t[rr], t[rr] + dur, tokens=tokens)
+        t[rr] += dur
 
     def end_iteration(self, it: int, generated: int | None, trained: int | None) -> Decision:
         """Settle background ops, record the iteration, decide the next split (the runtime's

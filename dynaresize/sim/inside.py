@@ -171,7 +171,7 @@ def estimate(spec: dict, grid=GRID, log=None) -> dict:
     """The rows of one workload (a plain config dict, sim.suite.compose_base): per-iteration
     best splits with free switching (the oracle, priced analytically), the same with foresight
     placement, with each mechanism of `grid`, and the bound; total times in seconds."""
-    from ..data.shapes import batch_shape
+    from ..data.shapes import filtered_shape, generation_rounds
     from .config import prepare
     from .suite import bound
     setup = prepare(spec)
@@ -185,7 +185,7 @@ def estimate(spec: dict, grid=GRID, log=None) -> dict:
     spp, prompts = cfg.rollout.samples_per_prompt, cfg.rollout.prompts_per_batch
 
     def lengths(b):
-        return Lengths.of(batch_shape(cfg.workload, cfg.run.seed, b, prompts, spp))
+        return Lengths.of(filtered_shape(cfg.workload, cfg.run.seed, b, prompts, spp, generation_rounds(cfg.trainer)))
 
     n = cfg.run.iterations
     batches = [(lengths(it) if it < n else None, lengths(it - lag) if it >= lag else None) for it in range(n + lag)]

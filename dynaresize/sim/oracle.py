@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from ..plan.policy import Decision, IterationStats, Policy
+from ..data.shapes import generation_rounds
 from ..plan.prediction import Lengths, Prediction, workload_sample
 
 # Batches of the workload an expected iteration time averages over. A split's time is floored by
@@ -75,8 +76,8 @@ class ExpectedOraclePolicy(OraclePolicy):
     def predict(self, iteration: int, k: int) -> Prediction:
         if iteration != self._iteration:           # one iteration at a time: its samples, its prices
             sim = self.sim
-            gen = (workload_sample(sim.cfg.workload, sim.seed, iteration, sim.prompts, sim.spp, EXPECTED_SAMPLES)
-                   if iteration < sim.iterations else None)
+            gen = (workload_sample(sim.cfg.workload, sim.seed, iteration, sim.prompts, sim.spp, EXPECTED_SAMPLES,
+                                   generation_rounds(sim.cfg.trainer)) if iteration < sim.iterations else None)
             b = iteration - self.max_lag
             trn = None if b < 0 else (gen if b == iteration else [Lengths.of(sim.batch(b))])
             self._iteration, self._samples, self._predictions = iteration, (gen, trn), {}

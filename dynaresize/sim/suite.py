@@ -120,28 +120,34 @@ def acceptance(r, dynamic: dict) -> dict:
 def bound(spec: dict) -> dict:
     """The bound of a run config: per iteration (one step off-policy: the stages overlap)
     max(longest sample decoded alone, (rollout work + train work) / ranks), summed; and the
-    generated tokens, for its throughput."""
+    generated tokens, for its throughput. Rounds of dynamic sampling follow each other: their
+    longest samples add up."""
     from ..plan.costmodel import CostModel
-    from ..data.shapes import batch_shape
+    from ..data.shapes import filtered_shape, generation_rounds
+    from ..plan.prediction import Lengths
     from .config import prepare
     setup = prepare(spec)
     cfg = setup.cfg
     cm = CostModel.for_job(cfg, setup.profile)
     W, spp, mbs = cfg.cluster.ranks, cfg.rollout.samples_per_prompt, cfg.trainer.micro_batch_size
     iterations, lag = cfg.run.iterations, 1
-    shape = lambda b: batch_shape(cfg.workload, cfg.run.seed, b, cfg.rollout.prompts_per_batch, spp)  # noqa: E731
+    rounds = generation_rounds(cfg.trainer)
+    shape = lambda b: filtered_shape(cfg.workload, cfg.run.seed, b, cfg.rollout.prompts_per_batch, spp,  # noqa: E731
+                                     rounds)
     total = work = tokens = 0.0
     for it in range(iterations + lag):
         longest = rollout = train = 0.0
         if it < iterations:
             s = shape(it)
-            longest = cm.longest_decode_time(s.prompt_lens, s.response_lens)
+            longest = sum(cm.longest_decode_time(s.prompt_lens[part], s.response_lens[part])
+                          for part in Lengths.of(s).round_slices())
             rollout = cm.rollout_work(s.prompt_lens, s.response_lens)
             tokens += float(s.response_lens.sum())
         if it >= lag:
             s = shape(it - lag)
-            n = s.trained_prompts
-            train = float(cm.train_compute_time((s.prompt_lens[:n, None] + s.response_lens[:n]).sum(), n * spp / mbs))
+            rows = s.trained
+            train = float(cm.train_compute_time((s.prompt_lens[rows, None] + s.response_lens[rows]).sum(),
+                                                len(rows) * spp / mbs))
         total += max(longest, (rollout + train) / W)
         work += rollout + train
     return {"total_time_s": total, "tokens": tokens, "busy_share": work / (W * total) if total > 0 else math.nan}

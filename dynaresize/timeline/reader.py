@@ -13,7 +13,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .schema import DATASETS, TimelineError, check_file
+from .schema import DATASETS, TimelineError, check_file, dataset
 
 TIMELINE_FILE = "timeline.h5"     # in every run folder
 
@@ -61,7 +61,7 @@ def read_arrays(path: str | os.PathLike, names=tuple(DATASETS), swmr: bool = Fal
     """The file's attributes (plain Python values) and the datasets `names` as structured arrays."""
     with open_timeline(path, swmr=swmr) as f:
         attrs = {key: plain(value) for key, value in f.attrs.items()}
-        return attrs, {name: f[name][...] for name in names}
+        return attrs, {name: dataset(f, name) for name in names}
 
 
 def plain(value):

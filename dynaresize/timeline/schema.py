@@ -3,7 +3,7 @@
 This module is the single definition of the format. It imports only numpy and h5py, so the
 offline analysis can use it on a laptop without torch or MPI.
 
-Layout (schema version 1)::
+Layout (schema version 2; version 1, without `metrics`, is read too)::
 
     /                 attrs: kind="dynaresize-timeline", schema_version, mode, world_size,
                              mpi_world_size, config (resolved YAML), created, complete, ...
@@ -11,6 +11,7 @@ Layout (schema version 1)::
     /iterations       one row per iteration: the role table it ran with and its span
     /samples          one row per generated sample: lengths, reward, token digest
     /decisions        one row per policy decision (kept or moved) with its reason
+    /metrics          one row per (iteration, metric): what the loggers got (train/*, reward/*, ...)
 
 All times are seconds on rank 0's clock since the job started (ranks' clocks are aligned at start
 up). Datasets are chunked and grow along axis 0, so a reader can follow a running job (HDF5 SWMR).
@@ -23,15 +24,17 @@ import h5py
 import numpy as np
 
 KIND = "dynaresize-timeline"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)      # version 1 has no `metrics` dataset: read as empty
 
 # Roles as written in the file. "both" is a rank of a colocated run (rollout then training).
 ROLES = ("train", "rollout", "both", "none")
 
 # Stage names: useful work of an iteration. "steal": a micro-batch of the train step computed by a
 # rank outside the train group (work stealing, dynaresize/plan/stealing.py); "migrate": a rollout rank
-# handing its last sequences to a tail rank (tail migration, dynaresize/plan/migration.py).
-STAGES = ("rollout", "train", "weight_sync", "exchange", "steal", "migrate")
+# handing its last sequences to a tail rank (tail migration, dynaresize/plan/migration.py); "eval":
+# generating for the held-out prompts (eval.every).
+STAGES = ("rollout", "train", "weight_sync", "exchange", "steal", "migrate", "eval")
 # Switch operations: the fine-grained plan of one resize (see dynaresize.runtime.resize).
 SWITCH_OPS = ("drain", "release", "stage_out", "reshard", "stage_in", "engine_start",
               "weight_load", "group_switch", "commit")
@@ -95,12 +98,20 @@ DECISION_DTYPE = np.dtype([
     ("attrs", f"S{ATTRS_BYTES}"),
 ])
 
+METRIC_DTYPE = np.dtype([
+    ("iteration", "<i4"),
+    ("name", "S40"),              # e.g. train/kl_behaviour (dynaresize.analysis.metrics defines each)
+    ("value", "<f8"),
+])
+
 DATASETS = {
     "events": EVENT_DTYPE,
     "iterations": ITERATION_DTYPE,
     "samples": SAMPLE_DTYPE,
     "decisions": DECISION_DTYPE,
+    "metrics": METRIC_DTYPE,
 }
+ADDED_IN = {"metrics": 2}         # datasets newer than schema version 1
 
 
 class TimelineError(ValueError):
@@ -119,6 +130,11 @@ def encode_attrs(attrs: dict | None) -> bytes:
 
 def decode_attrs(raw: bytes) -> dict:
     return json.loads(raw) if raw else {}
+
+
+def dataset(f, name: str) -> np.ndarray:
+    """Dataset `name` of an open, checked timeline file; empty if its schema version predates it."""
+    return f[name][...] if name in f else np.zeros(0, dtype=DATASETS[name])
 
 
 def rows(dtype: np.dtype, records: list[dict]) -> np.ndarray:
@@ -145,10 +161,10 @@ def check_file(f) -> None:
         raise TimelineError(f"{f.filename} is not a DynaResize timeline (attribute kind={kind!r}, "
                             f"expected {KIND!r})")
     version = int(f.attrs.get("schema_version", -1))
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise TimelineError(f"{f.filename} has timeline schema version {version}; this version of "
-                            f"DynaResize reads version {SCHEMA_VERSION}. Re-run the analysis with the "
-                            f"DynaResize release that wrote it.")
-    missing = [name for name in DATASETS if name not in f]
+                            f"DynaResize reads versions {', '.join(map(str, READABLE_VERSIONS))}. Re-run the "
+                            f"analysis with the DynaResize release that wrote it.")
+    missing = [name for name in DATASETS if name not in f and ADDED_IN.get(name, 1) <= version]
     if missing:
         raise TimelineError(f"{f.filename} lacks datasets {missing}: the file is incomplete")

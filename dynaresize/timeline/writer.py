@@ -40,7 +40,7 @@ import h5py
 import numpy as np
 
 from .reader import open_read
-from .schema import DATASETS, KIND, SCHEMA_VERSION, TimelineError, check_file, rows
+from .schema import DATASETS, KIND, SCHEMA_VERSION, TimelineError, check_file, dataset, rows
 
 CHUNK_ROWS = 1024
 LAST = "iterations"                           # written last in each flush (see the module docstring)
@@ -172,10 +172,11 @@ def _copy_rows(path: str, keep, attr_updates: dict) -> None:
     with h5py.File(path, "r", libver="latest", swmr=True) as old:
         check_file(old)
         attrs = dict(old.attrs)
-        kept = {name: keep(old[name][...]) for name in DATASETS}
+        kept = {name: keep(dataset(old, name)) for name in DATASETS}
     tmp = f"{path}.rewrite"
     with h5py.File(tmp, "w", libver="latest", locking=False) as f:
         f.attrs.update(attrs)
+        f.attrs["schema_version"] = SCHEMA_VERSION       # every dataset is written, so the newest
         for key, value in attr_updates.items():
             f.attrs[key] = value(attrs) if callable(value) else value
         for name, dtype in DATASETS.items():
