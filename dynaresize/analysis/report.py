@@ -123,8 +123,11 @@ def write_learning_page(tl: Timeline, path: str, command: list[str]) -> str:
             f"{part[c].dropna().iloc[-1]:.3f}" if part[c].notna().any() else "-" for c in evals] + [
             f"{part['train/kl_behaviour'].mean():.4f}", f"{part['train/entropy'].mean():.2f}"]
         rows.append(f"| {int(part['iteration'].iloc[0])}-{int(part['iteration'].iloc[-1])} | " + " | ".join(cells) + " |")
+    from .compare import hydra_overrides
     generating = int((tl.iterations["generated_batch"] >= 0).sum())
-    body = (f"Run `{tl.name}`: {generating} iterations of policy `{tl.policy}` on {tl.world_size} ranks. "
+    overrides = hydra_overrides(Path(tl.path))
+    body = (f"The run: `dynaresize {overrides}`".rstrip() + f" ({generating} iterations of policy `{tl.policy}` on "
+            f"{tl.world_size} ranks). "
             f"What each metric means: [metric definitions](../reference/metrics.md).\n\n"
             f"![learning curves]({image.name})\n\n" + "\n".join(rows))
     return write_page(path, "Learning: the tiny model on the reversal task", command, body)
