@@ -21,7 +21,9 @@ def scenario_result(proc) -> dict:
 
 def test_static_run_records_every_rank_every_iteration(static_run):
     run_dir, proc = static_run
-    assert "iter   9/9" in proc.stdout, proc.stdout          # one progress line per iteration
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("[dynaresize] iter ")]
+    assert [line.split()[2:4] for line in progress] == [[str(i), f"({i + 1}/8)"] for i in range(8)], proc.stdout
+    assert sum(line.startswith("[dynaresize] drain ") for line in proc.stdout.splitlines()) == 1, proc.stdout
     with h5py.File(run_dir / "timeline.h5", "r") as f:
         assert bool(f.attrs["complete"])
         assert int(f.attrs["mpi_world_size"]) == 4
