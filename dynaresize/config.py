@@ -98,6 +98,7 @@ class DataConfig:
     max_prompt_length: Optional[int] = None  # tokens; None: no limit besides the model's positions
     truncation: str = "error"      # a prompt over max_prompt_length: error | left (keep its end) | right (keep its start)
     shuffle: bool = True           # a new permutation per epoch, keyed by run.seed and the epoch
+    skip_bad_rows: bool = False    # drop rows whose prompt is not text or empty, or whose answer is missing or NaN (else: refused)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class RewardConfig:
     _target_: str = "dynaresize.data.rewards.digit_match"   # dotted path of a function importable on every rank
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments (+reward.kwargs.NAME=VALUE)
     on_error: str = "fail"         # a reward that raises: fail (end the job naming the sample) | zero (score 0, warn)
+    timeout_s: float = 60.0        # a reward call that takes longer fails as one that raised (on_error); 0: no limit
 
 
 @dataclass
@@ -185,6 +187,7 @@ class RunConfig:
     resume: Optional[str] = None   # a run directory to continue: its config.yaml, your overrides on top
     save_model: bool = True        # write final_model/ (Hugging Face format) at the end
     report: bool = True            # write the analysis report (dynaresize-analyze) when the run ends
+    stall_timeout_s: Optional[float] = None   # a rank silent this long ends the job; None: 10 x the longest operation so far, at least 600 s
 
 
 @dataclass

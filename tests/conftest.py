@@ -65,3 +65,25 @@ def static_lag0_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("static_lag0_run")
     run_cli(run_dir, "run.max_lag=0", "run.iterations=8")
     return run_dir
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`tmpfs(size)`: a fresh tmpfs of `size` ("256k", "8m") under tmp_path, a disk that fills up
+    (mounting needs root; the test is skipped elsewhere). Unmounted afterwards."""
+    mounts = []
+
+    def mount(size: str):
+        path = tmp_path / f"tmpfs{len(mounts)}"
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"mounting a small tmpfs needs root: {r.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+

@@ -137,7 +137,6 @@ def test_bad_dataset_or_reward_is_refused_before_any_rank_starts(user_files, sta
     from dynaresize.launch.cli import check_inputs
     from dynaresize.config import ConfigError
     from dynaresize.launch.validate import load_config
-    from dynaresize.launch.validate import validate
     cases = [({"data": {"max_prompt_length": 8}}, "data.max_prompt_length: 200 prompt(s) are longer than 8"),
              ({"data": {"max_prompt_length": 8, "truncation": "left"}}, None),
              ({"workload": {"length_max": 2000}}, "max_position_embeddings"),
@@ -154,6 +153,32 @@ def test_bad_dataset_or_reward_is_refused_before_any_rank_starts(user_files, sta
         with pytest.raises(ConfigError) as e:
             check_inputs(load_config(raw))
         assert message in str(e.value), (change, str(e.value))
+
+
+@pytest.mark.fault('dataset rows whose prompt is null, a number, NaN or empty, or whose answer is null or NaN',
+                   'exit 2 before any rank starts, naming the file, the row and the field; with data.skip_bad_rows '
+                   'they are left out and counted')
+def test_bad_rows_are_refused_or_skipped_before_any_rank_starts(user_files, tmp_path):
+    data, model = user_files
+    good = [json.loads(line) for line in data.read_text().splitlines()][:40]
+    bad = dict(good[0])
+    rows = good[:10] + [{**bad, "question": None}, {**bad, "question": 17}, {**bad, "question": "  "},
+                        {**bad, "answer": None}] + good[10:]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + json.dumps({**bad, "question": float("nan")}) + "\n")
+    args = (*COMMON, f"model.path={model}", f"data.train_files=[{path}]", "run.iterations=1")
+    proc = run_cli(tmp_path / "refused", *args, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    for row, why in ((10, "'question' is None, not text"), (11, "'question' is 17, not text"),
+                     (12, "'question' is empty"), (13, "'answer' is None, not text or a finite number"),
+                     (44, "'question' is nan, not text")):
+        assert f"data.train_files: {path} row {row}: {why}" in proc.stderr, proc.stderr
+    assert "data.skip_bad_rows=true" in proc.stderr and not (tmp_path / "refused" / "config.yaml").exists()
+
+    proc = run_cli(tmp_path / "skipped", *args, "data.skip_bad_rows=true")
+    assert "dataset: 40 prompts, 5 bad rows skipped (data.skip_bad_rows)" in proc.stdout, proc.stdout
+    prompts = {s["prompt"] for s in timeline(tmp_path / "skipped")[0]["samples"]}
+    assert len(prompts) == 4                                          # the batch, from good rows only
 
 
 def test_resumed_dataset_run_continues_the_same_sequence(user_files, static_dataset_run, tmp_path):

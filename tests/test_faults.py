@@ -28,16 +28,22 @@ import h5py
 import pytest
 
 from conftest import ROOT, _env
+from processes import descendants, holds_open, rank_pid, state
 
 COMMON = ["policy=static", "run.report=false", "run.save_model=false"]
-# name: (rank killed, the status it is killed at, overrides). Ranks [0, train_ranks) train, rank 0
-# sends the weights to the rollout ranks.
+# name: (rank killed, the status it is killed at, overrides[, its environment]). Ranks
+# [0, train_ranks) train, rank 0 sends the weights to the rollout ranks. By default a rank kills
+# itself right after it writes that status; "first_line" kills it on the stage's first line
+# (resize.inject_fault), which must already be reported as that stage.
 KILLS = {
     "train": (1, "train (iteration 2", ["cluster.ranks=3", "policy.train_ranks=2", "run.iterations=4"]),
     "weight_sync": (0, "weight_sync (iteration 1", ["cluster.ranks=2", "policy.train_ranks=1", "run.iterations=3"]),
     "engine_start": (1, "engine_start", ["cluster.ranks=2", "policy.train_ranks=1", "run.iterations=2"]),
     "checkpoint": (0, "checkpoint (after iteration 1", ["cluster.ranks=2", "policy.train_ranks=1", "run.iterations=3",
                                                          "run.checkpoint_every=2"]),
+    "weight_sync_first_line": (1, "weight_sync (iteration 1", ["cluster.ranks=2", "policy.train_ranks=1",
+                                                               "run.iterations=3"],
+                               {"DYNARESIZE_INJECT_FAULT": "1:weight_sync"}),
 }
 JOB_TIMEOUT_S = 200        # the four jobs share two cores; each alone takes about 20 s
 EXIT_AFTER_KILL_S = 30     # a job must end this soon after one of its ranks was killed
@@ -47,58 +53,11 @@ def cli(run_dir, *overrides) -> list[str]:
     return [sys.executable, "-m", "dynaresize.launch.cli", f"hydra.run.dir={run_dir}", *COMMON, *overrides]
 
 
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-                children.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(name))
-            except (OSError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def rank_pid(root: int, rank: int) -> int | None:
-    """The process of MPI rank `rank` under `root` (the top-most with that rank in its environment)."""
-    for pid in descendants(root):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"OMPI_COMM_WORLD_RANK={rank}".encode() in f.read().split(b"\0"):
-                    return pid
-        except OSError:
-            pass
-    return None
-
-
-def state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    return stat[stat.rindex(b")") + 2:].split()[0].decode()
-
-
-def holds_open(pid: int, path) -> bool:
-    target = os.path.realpath(path)
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                return True
-        except OSError:
-            pass
-    return False
-
-
 def run_killed_rank(base, name: str) -> dict:
-    rank, status, overrides = KILLS[name]
+    rank, status, overrides, *kill_env = KILLS[name]
     run_dir = base / name
     run_dir.mkdir()
-    env = dict(_env(), DYNARESIZE_KILL_AT_STATUS=f"{rank}:{status}")
+    env = dict(_env(), **(kill_env[0] if kill_env else {"DYNARESIZE_KILL_AT_STATUS": f"{rank}:{status}"}))
     with open(run_dir.parent / f"{name}.out", "w") as out, open(run_dir.parent / f"{name}.err", "w") as err:
         proc = subprocess.Popen(cli(run_dir, *overrides), stdout=out, stderr=err, env=env, cwd=ROOT)
         try:
@@ -186,11 +145,11 @@ def jobs(request, tmp_path_factory):
         t.join(JOB_TIMEOUT_S + 60)
 
 
-@pytest.mark.fault('a rank killed (SIGKILL) during training, weight sync, engine start or a checkpoint write',
+@pytest.mark.fault('a rank killed (SIGKILL) during training, weight sync (also at its first line), engine start or a checkpoint write',
                    'the job ends within 30 s; the launcher names that rank and what it was doing, not a peer that aborted after it')
 @pytest.mark.parametrize("name", list(KILLS))
 def test_killed_rank_is_named_with_its_operation(jobs, name):
-    rank, status, _ = KILLS[name]
+    rank, status, *_ = KILLS[name]
     r = jobs(name)
     err = r["stderr"]
     assert r["code"] != 0, err[-3000:]
@@ -444,16 +403,9 @@ def test_stop_signal_to_the_launcher_stops_its_ranks_and_cleans_up(tmp_path, sig
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A 256 KiB tmpfs: a disk that fills up (needs root; skipped elsewhere)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"mounting a small tmpfs needs root: {r.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    return tmpfs("256k")
 
 
 @pytest.mark.fault('the scratch disk fills up while a rank stages its state',

@@ -54,6 +54,9 @@ def resume(run_dir, *overrides, check=True) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.fault("a finished run launched again",
+                   "it says the run is complete (exit 0) and computes nothing; with more iterations it continues "
+                   "exactly")
 def test_a_finished_run_says_so_and_continues_exactly_with_more_iterations(tmp_path):
     """Checkpoints are on by default and one follows the last iteration: launched again, a
     finished run says it is complete (exit 0, nothing written); `run.resume` with a larger
@@ -75,6 +78,17 @@ def test_a_finished_run_says_so_and_continues_exactly_with_more_iterations(tmp_p
     proc = resume(short, "run.iterations=5")
     assert "resumed from" in proc.stdout and "iterations 0-2 done" in proc.stdout, proc.stdout
     assert "iter   3 (4/5)" in proc.stdout and "5 iterations and the pipeline's drain" in proc.stdout
+    # The resumed attempt's clock goes on from the first's: times rise across attempts, and the
+    # gap (here the seconds between the two commands) is counted as lost, and said so.
+    from dynaresize import analysis
+    tl = analysis.load_timeline(short)
+    its = tl.iterations.sort_values("iteration")
+    assert (its["start"].diff().dropna() > 0).all(), its[["iteration", "start", "end"]]
+    tries = analysis.attempts(tl)
+    assert tries["after_iteration"].tolist() == [2] and float(tries["lost_s"].iloc[0]) > 0, tries
+    assert float(tries["start_s"].iloc[0]) < float(its.loc[its["iteration"] == 3, "start"].iloc[0])
+    assert "resumed 1 time: " in proc.stdout and "attempt 2 resumed after iteration 2" in proc.stdout, proc.stdout
+    assert [t.get_text() for t in analysis.gantt(tl).axes[0].texts] == ["attempt 2"]
     run_cli(whole, "run.iterations=5", "policy.train_ranks=2")
     digests = []
     for run in (short, whole):

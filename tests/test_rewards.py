@@ -125,3 +125,27 @@ def test_load_reward_errors(target, reason):
 def test_load_reward_bad_kwargs():
     with pytest.raises(ValueError, match=r"reward.kwargs: .*format_scor"):
         load_reward("dynaresize.data.rewards.gsm8k", {"format_scor": 0.1})
+
+
+@pytest.mark.fault("a reward function that never returns",
+                   "after reward.timeout_s it fails as a reward that raises: the error names the batch, prompt and "
+                   "sample (on_error=fail), or the sample scores 0 and is counted (on_error=zero)")
+def test_a_reward_that_never_returns_times_out_naming_the_sample():
+    import time
+
+    from dynaresize.config import RewardConfig
+    from dynaresize.data.rewards import RewardError, Scorer
+    from dynaresize.data.workload import Prompt
+
+    def stuck(prompt, response, answer, extra):
+        time.sleep(3600)
+    prompt = Prompt(index=5, tokens=(1, 2), answer="12", response_lens=(4,), text="21=")
+    import sys
+    sys.modules[__name__].stuck = stuck            # importable by dotted path, as a user's reward is
+    cfg = RewardConfig(_target_=f"{__name__}.stuck", timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(RewardError, match="batch 7, prompt 5, sample 3 .*did not return within reward.timeout_s=0.3 s"):
+        Scorer(cfg, lambda tokens: "x", [2])(prompt, [3, 2], batch=7, sample=3)
+    assert time.monotonic() - started < 5
+    zero = Scorer(RewardConfig(_target_=f"{__name__}.stuck", timeout_s=0.3, on_error="zero"), lambda t: "x", [2])
+    assert zero(prompt, [3, 2], batch=7, sample=3) == 0.0 and zero.take_failures() == 1

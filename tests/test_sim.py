@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from dynaresize.config import ConfigError, WorkloadConfig
+from dynaresize.config import ConfigError
 from dynaresize.plan.costmodel import CostModel
 from dynaresize.sim import Simulator, compose, prepare, setup_from_overrides, simulate
 from dynaresize.timeline import schema

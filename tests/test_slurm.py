@@ -83,6 +83,9 @@ def test_two_node_resizes_move_training_state_over_the_network_exactly(tmp_path)
     assert_same_rl(run, reference, exact=True)
     # The ranks' result is in before the job has ended: wait for Slurm's accounting to close it.
     wait_for(lambda: sacct_states(job) == ["COMPLETED"], 60, f"sacct to report job {job} COMPLETED")
+    tres = subprocess.run(["sacct", "-j", job, "--allocations", "--noheader", "--parsable2", "-o", "AllocTRES"],
+                          capture_output=True, text=True, check=True).stdout
+    assert "gres/gpu=4" in tres, f"the job's 4 GPUs are not accounted: {tres!r}"
 
 
 def test_hydra_multirun_on_slurm_makes_one_job_per_point(tmp_path):
@@ -147,6 +150,7 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
         wait_for(lambda: newest_checkpoint(run) > first, 180, "progress after the resume")
 
     wait_for(lambda: newest_checkpoint(run) >= 2, 180, "a checkpoint after iteration 3")
+    at_failure = newest_checkpoint(run)
     subprocess.run(["scontrol", "update", "nodename=node2", "state=down", "reason=test: node lost"], check=True)
     # Slurm requeues the job; the node returns once its slurmd registers again (ReturnToService=2).
     wait_for(lambda: resumed(1), 180, "the resume after the node failure")
@@ -159,6 +163,11 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
     followed = open(tmp_path / "follow.log").read()
     assert re.search(r"ended NODE_FAIL: node node2 failed \(DOWN: test: node lost\) while rank 2: \w+.*; rank 3: \w+",
                      followed), followed
+    # Slurm's SIGTERM ends the ranks at once (submitit would bypass it): the report names the
+    # iteration the node was lost in, not one the ranks ran on to.
+    node_fail = re.search(r"ended NODE_FAIL: .*", followed).group(0)
+    named = [int(i) for i in re.findall(r"iteration (\d+)", node_fail)]
+    assert named and max(named) <= at_failure + 2, (at_failure, node_fail)
     assert "ended REQUEUED; Slurm requeues it and it resumes from the last checkpoint" in followed, followed
     assert "RequeueLimit: Slurm warned of the job's end after 2 restart(s) (cluster.max_requeues=2)" in followed
     assert sacct_states(job) == ["NODE_FAIL", "REQUEUED", "FAILED"]
@@ -172,6 +181,50 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
     assert "requeueing (restart 2 of at most 2)" in log
     uninterrupted.result()
     assert_same_rl(run, reference, exact=True)
+
+
+def job_state(job) -> str:
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job), "-o", "%T"], capture_output=True, text=True)
+    return out.stdout.strip() or "GONE"
+
+
+@pytest.mark.fault("SIGTERM to every process of a 2-node job under the srun launcher (scancel --signal=TERM "
+                   "--full), as a cancel sends it",
+                   "the launcher stops srun's tasks on both nodes, removes the staging, mends the timeline and "
+                   "exits 143 saying so; no rank is left")
+def test_sigterm_to_a_job_under_srun_stops_it_cleanly(tmp_path):
+    scratch = tmp_path / "scratch"            # both test nodes see this folder (one machine)
+    scratch.mkdir()
+    env = dict(os.environ, DYNARESIZE=os.path.join(os.path.dirname(sys.executable), "dynaresize"))
+    sub = subprocess.run(["sbatch", "--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2",
+                          os.path.join(ROOT, "slurm", "dynaresize.sbatch"), "run.iterations=200", "policy=static",
+                          "policy.train_ranks=2", "run.report=false", f"cluster.local_scratch={scratch}"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env, check=True)
+    job = re.search(r"Submitted batch job (\d+)", sub.stdout).group(1)
+    out, run = tmp_path / f"slurm-{job}.out", tmp_path / "outputs" / f"slurm-{job}"
+    try:
+        wait_for(lambda: out.exists() and "[dynaresize] iter " in out.read_text(), 180, "the first iteration")
+        assert list(scratch.iterdir()), "no staging directory"
+        subprocess.run(["scancel", "--signal=TERM", "--full", job], check=True)
+        wait_for(lambda: job_state(job) not in ("PENDING", "CONFIGURING", "RUNNING"), 60, "the job to end")
+    finally:
+        subprocess.run(["scancel", job], check=False)
+    text = out.read_text()
+    assert "dynaresize: stopped by SIGTERM: the ranks were stopped and the job's staged state removed" in text, text
+    assert not list(scratch.iterdir()), list(scratch.iterdir())
+    config = str(run / "config.yaml").encode()
+    ranks = [pid for pid in os.listdir("/proc") if pid.isdigit() and config in _cmdline(pid)]
+    assert not ranks, f"ranks outlived the job: {ranks}"
+    with h5py.File(run / "timeline.h5", "r") as f:           # mended: plain h5py opens it
+        assert len(f["iterations"]) >= 1
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -154,3 +154,34 @@ def test_valid_values_at_the_edges_pass(tmp_path, hf_checkpoint):
         proc.stderr[-2000:]
     proc = dynaresize("--help")
     assert proc.returncode == 0 and "policy:" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.fault("a model folder that cannot serve: only its config.json; a non-causal model (BertForMaskedLM)",
+                   "exit 2 before any rank starts, naming model.path, what is missing and the fix")
+def test_a_model_folder_that_cannot_serve_is_refused_before_ranks_start(tmp_path, hf_checkpoint):
+    only_config = hf_checkpoint(4096)               # a config.json and nothing else
+    run_dir = tmp_path / "run"
+    proc = dynaresize(f"hydra.run.dir={run_dir}", "policy=static", f"model.path={only_config}")
+    assert_refused(proc, run_dir, "model.path", "holds no weights", "lacks vocab_size")
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({
+        "architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": 30522, "hidden_size": 768,
+        "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+        "max_position_embeddings": 512}))
+    (bert / "model.safetensors").write_bytes(b"")
+    proc = dynaresize(f"hydra.run.dir={run_dir}", "policy=static", f"model.path={bert}")
+    assert_refused(proc, run_dir, "model.path", "BertForMaskedLM, not a causal language model")
+    assert "holds no weights" not in proc.stderr and "lacks" not in proc.stderr
+
+
+@pytest.mark.fault("an invalid batch (rollout.samples_per_prompt=0, rollout.prompts_per_batch=0)",
+                   "exit 2 naming that field only, not the micro-batch settings it makes look wrong")
+@pytest.mark.parametrize("override, field", [("rollout.samples_per_prompt=0", "rollout.samples_per_prompt"),
+                                             ("rollout.prompts_per_batch=0", "rollout.prompts_per_batch")])
+def test_an_invalid_batch_is_named_once(tmp_path, override, field):
+    run_dir = tmp_path / "run"
+    proc = dynaresize(f"hydra.run.dir={run_dir}", "policy=static", override)
+    assert_refused(proc, run_dir, field)
+    named = [line.split(":")[0].strip() for line in proc.stderr.splitlines() if line.startswith("  ")]
+    assert named == [field], proc.stderr

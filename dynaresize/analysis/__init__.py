@@ -20,14 +20,14 @@ from .compare import compare, find_timelines, ratios
 from .follow import follow
 from .gantt import gantt
 from .load import Timeline, load_timeline
-from .metrics import (busy_segments, decisions, gpu_time, iteration_metrics, predictions, rank_iterations,
-                      run_metrics)
+from .metrics import (attempts, busy_segments, decisions, gpu_time, iteration_metrics, predictions,
+                      rank_iterations, run_metrics)
 from .report import summary_text, write_report
 from .trace import perfetto_trace, write_trace
 
 __all__ = [
     "Timeline", "TimelineError", "load_timeline",
     "iteration_metrics", "run_metrics", "rank_iterations", "busy_segments", "gpu_time",
-    "decisions", "predictions", "gantt", "perfetto_trace", "write_trace", "compare", "ratios",
+    "decisions", "predictions", "attempts", "gantt", "perfetto_trace", "write_trace", "compare", "ratios",
     "find_timelines", "follow", "write_report", "summary_text",
 ]

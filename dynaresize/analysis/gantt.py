@@ -31,7 +31,7 @@ from matplotlib.patches import Patch
 from dynaresize.timeline import schema
 
 from .load import Timeline
-from .metrics import rank_iterations, busy_segments, spans
+from .metrics import attempts, rank_iterations, busy_segments, spans
 
 STAGE_COLORS = {
     "rollout": "#1f77b4",
@@ -114,6 +114,7 @@ def gantt(tl: Timeline, path: str | os.PathLike | None = None, *, width: float =
     else:
         _draw_events(ax, tl)
     _draw_iterations(ax, tl, n_rows)
+    _draw_attempts(ax, tl)
 
     ax.set_xlim(t0, t1)
     ax.set_ylim(n_rows - 0.5, -0.5)
@@ -267,6 +268,17 @@ def _draw_iterations(ax, tl: Timeline, n_rows: int) -> None:
     top.tick_params(length=0)
     top.set_xlabel("iteration" + (f" (boundaries of every {step}th drawn)" if step > 1 else ""),
                    fontsize=8)
+
+
+def _draw_attempts(ax, tl: Timeline) -> None:
+    """Each resumed attempt: the time it lost shaded, from the end of the iteration it resumed
+    after to its start, and a label at its start."""
+    for n, a in enumerate(attempts(tl).itertuples()):
+        if a.lost_s == a.lost_s:            # not NaN: the iteration it resumed after is on the timeline
+            ax.axvspan(a.start_s - a.lost_s, a.start_s, color="0.35", alpha=0.25, zorder=4, lw=0)
+        ax.axvline(a.start_s, color="crimson", lw=1.2, zorder=6)
+        ax.annotate(f"attempt {n + 2}", (a.start_s, 0), xycoords=("data", "axes fraction"), xytext=(3, 3),
+                    textcoords="offset points", color="crimson", fontsize=8, zorder=7)
 
 
 def _hosts(tl: Timeline) -> list[str]:

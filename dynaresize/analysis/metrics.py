@@ -99,6 +99,7 @@ by side, so that a reader checks one against the other in one file.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -462,6 +463,23 @@ def split_label(train_ranks, world_size) -> str:
     if train_ranks is None or (isinstance(train_ranks, float) and math.isnan(train_ranks)):
         return "?"
     return f"{int(train_ranks)}/{int(world_size) - int(train_ranks)}"
+
+
+def attempts(tl: Timeline) -> pd.DataFrame:
+    """The run's resumed attempts, one row each: `start_s` (on the run's clock, which goes on
+    across attempts), `after_iteration` (the checkpoint it resumed from) and `lost_s`, the time
+    between that iteration's end and the attempt's start: the iterations computed again and the
+    time the job was down or queued. Empty for a run that was never resumed (or an older file,
+    whose clock restarted with each attempt)."""
+    try:
+        rows = json.loads(tl.attrs.get("attempts") or "[]")
+    except (TypeError, ValueError):
+        rows = []
+    out = pd.DataFrame(rows, columns=["start_s", "after_iteration"])
+    ends = spans(tl).set_index("iteration")["end"]
+    out["lost_s"] = [start - float(ends.get(after, np.nan)) for start, after in
+                     zip(out["start_s"], out["after_iteration"])]
+    return out
 
 
 def run_metrics(tl: Timeline) -> dict:

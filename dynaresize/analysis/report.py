@@ -14,7 +14,7 @@ from .gantt import gantt
 from dynaresize.timeline.schema import TimelineError
 
 from .load import Timeline
-from .metrics import decisions, iteration_metrics, predictions, run_metrics, spans
+from .metrics import attempts, decisions, iteration_metrics, predictions, run_metrics, spans
 from .trace import write_trace
 
 REPORT_DIR = "report"
@@ -93,6 +93,13 @@ def closing_summary(tl: Timeline, report: dict[str, Path] | None) -> str:
              + (f", both {_pct(m['bubble_both'])}" if not pd.isna(m["bubble_both"]) else "")
              + f"; switch work {_num(m['switch_total_s'])} s, {_pct(m['hidden_share'])} of it hidden"
              + _policy_figures(m)]
+    resumed = attempts(tl)
+    if len(resumed):
+        lost = resumed["lost_s"].sum()
+        each = "; ".join(f"attempt {n + 2} resumed after iteration {int(a.after_iteration)}, "
+                         f"{_num(a.lost_s, '{:.1f}')} s after it ended" for n, a in enumerate(resumed.itertuples()))
+        lines.append(f"resumed {len(resumed)} time{'s' if len(resumed) > 1 else ''}: {_num(lost, '{:.1f}')} s lost "
+                     f"({each}); the times above include them")
     folder = Path(tl.path).parent
     if report:
         lines.append(f"report: {next(iter(report.values())).parent} ({', '.join(report)}); redraw it "

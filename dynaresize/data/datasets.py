@@ -18,6 +18,7 @@ field, a prompt too long or a model with too few positions is reported before an
 from __future__ import annotations
 
 import json
+import math
 import os
 from functools import lru_cache
 
@@ -117,8 +118,8 @@ class DatasetTask:
         self.cfg, self.data, self.workload = cfg, cfg.data, cfg.workload
         self.tokenizer = load_tokenizer(model_dir)
         self.encode = PromptEncoder(cfg.data, self.tokenizer)
-        self.rows = read_rows(cfg.data.train_files)
-        self.val_rows = read_rows(cfg.data.val_files, "data.val_files") if cfg.data.val_files else []
+        self.rows = usable_rows(read_rows(cfg.data.train_files), cfg.data)
+        self.val_rows = usable_rows(read_rows(cfg.data.val_files, "data.val_files"), cfg.data) if cfg.data.val_files else []
 
     @lru_cache(maxsize=4)
     def _epoch_order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -164,10 +165,11 @@ def check_dataset(cfg: JobConfig) -> str:
                           f"{cfg.model.path} has no chat template. Fix: data.apply_chat_template=false "
                           f"(the prompt text is tokenized as it is), or use a model with one.")
     encode = PromptEncoder(d, tokenizer)
-    rows, lengths = _checked_rows(d, encode, d.train_files, "data.train_files")
+    rows, lengths, skipped = _checked_rows(d, encode, d.train_files, "data.train_files")
+    trained = len(rows)
     if d.val_files:
-        val_rows, val_lengths = _checked_rows(d, encode, d.val_files, "data.val_files")
-        rows, lengths = rows + val_rows, np.concatenate([lengths, val_lengths])
+        val_rows, val_lengths, val_skipped = _checked_rows(d, encode, d.val_files, "data.val_files")
+        rows, lengths, skipped = rows + val_rows, np.concatenate([lengths, val_lengths]), skipped + val_skipped
     longest_row = int(lengths.argmax())
     if d.max_prompt_length is not None and d.truncation == "error" and lengths.max() > d.max_prompt_length:
         over = int((lengths > d.max_prompt_length).sum())
@@ -182,16 +184,42 @@ def check_dataset(cfg: JobConfig) -> str:
                           f"tokens, row {longest_row}) plus the response cap ({max_response_cap(cfg.workload)}) is "
                           f"{longest} tokens, more than the model's max_position_embeddings ({positions}). Fix: "
                           f"lower workload.length_max or data.max_prompt_length, or use a model with more positions.")
-    held_out = f" (and {len(rows) - len(read_rows(d.train_files))} held out)" if d.val_files else ""
-    return (f"dataset: {len(rows)} prompts{held_out} from {len(d.train_files) + len(d.val_files)} file(s), "
+    held_out = f" (and {len(rows) - trained} held out)" if d.val_files else ""
+    skip = f", {skipped} bad rows skipped (data.skip_bad_rows)" if skipped else ""
+    return (f"dataset: {trained} prompts{held_out}{skip} from {len(d.train_files) + len(d.val_files)} file(s), "
             f"prompt tokens median {int(np.median(lengths))} / max {int(lengths.max())}, responses up to "
             f"{max_response_cap(cfg.workload)}")
 
 
+def bad_value(row: dict, d: DataConfig) -> str | None:
+    """What is wrong with a row's prompt or answer (the field and why), or None: a prompt is
+    non-empty text; an answer is text or a finite number."""
+    prompt, answer = row.get(d.prompt_key), row.get(d.answer_key)
+    if not isinstance(prompt, str):
+        return f"{d.prompt_key!r} is {prompt!r}, not text"
+    if not prompt.strip():
+        return f"{d.prompt_key!r} is empty"
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or (
+            isinstance(answer, float) and not math.isfinite(answer)):
+        return f"{d.answer_key!r} is {answer!r}, not text or a finite number"
+    return None
+
+
+def usable_rows(rows: list[dict], d: DataConfig) -> list[dict]:
+    """`rows` without those `bad_value` refuses (data.skip_bad_rows: check_dataset has said how
+    many); every rank and the launcher drop the same ones."""
+    return [row for row in rows if bad_value(row, d) is None] if d.skip_bad_rows else rows
+
+
 def _checked_rows(d: DataConfig, encode: PromptEncoder, files: list[str], field: str):
-    """The rows of `files` (config field `field`) and their prompts' token counts, or a
-    ConfigError naming the field, the row and the fix."""
-    rows = read_rows(files, field)
+    """The usable rows of `files` (config field `field`), their prompts' token counts and how many
+    bad rows data.skip_bad_rows dropped, or a ConfigError naming the file, the row, the field and
+    the fix."""
+    rows, where = [], []
+    for i, path in enumerate(files):
+        part = read_rows([path], f"{field}[{i}]")
+        rows += part
+        where += [(path, n) for n in range(len(part))]
     problems = []
     for key, name in ((d.prompt_key, "data.prompt_key"), (d.answer_key, "data.answer_key")):
         missing = next((i for i, row in enumerate(rows) if not isinstance(row, dict) or key not in row), None)
@@ -201,7 +229,16 @@ def _checked_rows(d: DataConfig, encode: PromptEncoder, files: list[str], field:
                             f"Fix: set {name} to the field that holds it.")
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(problems))
-    return rows, np.array([len(encode.full(str(row[d.prompt_key]))) for row in rows])
+    bad = [(where[i], why) for i, row in enumerate(rows) if (why := bad_value(row, d)) is not None]
+    if bad and not d.skip_bad_rows:
+        lines = [f"  {field}: {path} row {n}: {why}" for (path, n), why in bad[:5]]
+        more = f"\n  ... and {len(bad) - 5} more rows" if len(bad) > 5 else ""
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines) + more + "\n  Fix: correct those rows, "
+                          "or skip them with data.skip_bad_rows=true (their number is printed).")
+    rows = usable_rows(rows, d)
+    if not rows:
+        raise ConfigError(f"invalid configuration:\n  {field}: every row is bad ({len(bad)} rows). Fix: correct them.")
+    return rows, np.array([len(encode.full(str(row[d.prompt_key]))) for row in rows]), len(bad)
 
 
 def _max_positions(model_dir: str) -> int | None:

@@ -20,10 +20,13 @@ answer, GSM8K style).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import re
+import signal
+import threading
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any, Callable, Optional
@@ -181,13 +184,36 @@ class RewardError(RuntimeError):
     """A reward function failed on a sample (reward.on_error=fail)."""
 
 
+class RewardTimeout(Exception):
+    """A reward call that did not return within reward.timeout_s."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise RewardTimeout in the block after `seconds` (SIGALRM: the main thread only, and Python
+    code only; a call stuck inside C code is left to the stall watchdog). 0: no limit."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout(f"did not return within reward.timeout_s={seconds:g} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 class Scorer:
     """The configured reward applied to one generated sample, with `reward.on_error`'s policy.
 
     The rank that generated a sample scores it (the reward is part of rollout, as in verl)."""
 
     def __init__(self, cfg, decode: Callable[[list[int]], str], eos_ids: list[int]):
-        self.target, self.on_error = cfg._target_, cfg.on_error
+        self.target, self.on_error, self.timeout_s = cfg._target_, cfg.on_error, cfg.timeout_s
         self.fn = load_reward(cfg._target_, cfg.kwargs)
         self.decode, self.eos_ids = decode, set(eos_ids)
         self.failures = 0           # samples scored 0 because the reward failed (on_error=zero)
@@ -200,7 +226,8 @@ class Scorer:
         response = self.decode(tokens)
         extra = {**prompt.extra, "finished": self.finished(tokens)}
         try:
-            value = float(self.fn(prompt.text, response, prompt.answer, extra))
+            with time_limit(self.timeout_s):
+                value = float(self.fn(prompt.text, response, prompt.answer, extra))
             if value != value or value in (float("inf"), float("-inf")):
                 raise ValueError(f"returned {value}, not a finite number")
         except Exception as e:   # whatever the user's function raises: reported with the sample

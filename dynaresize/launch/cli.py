@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .. import CONF_DIR
 from ..runtime.comm import in_mpi_job
 from ..config import ConfigError, JobConfig, omegaconf_problem, register_schema, to_yaml
+from .runlock import RunLock
 from .validate import load_config
 
 
@@ -108,34 +109,70 @@ def launch_job(make_config: Callable[[], JobConfig]) -> int:
         return 2
     if in_mpi_job():
         return start(cfg)
-    with console_log(os.path.join(cfg.run.output_dir, LOG_FILE)):
-        code = start(cfg)
-        if code not in (0, 2):         # 2: refused before it started; the reason is printed already
-            print(f"dynaresize: the job failed (exit code {code}); see the rank errors above and "
-                  f"{cfg.run.output_dir}", file=sys.stderr, flush=True)
+    lock = RunLock(cfg.run.output_dir)
+    try:
+        lock.acquire()                 # refused while another launcher runs this run directory
+    except ConfigError as e:
+        print(f"dynaresize: {e}", file=sys.stderr)
+        return 2
+    try:
+        with console_log(os.path.join(cfg.run.output_dir, LOG_FILE)):
+            code = start(cfg)
+            if code not in (0, 2):     # 2: refused before it started; the reason is printed already
+                print(f"dynaresize: the job failed (exit code {code}); see the rank errors above and "
+                      f"{cfg.run.output_dir}", file=sys.stderr, flush=True)
+    finally:
+        lock.release()
     return code
 
 
 LOG_FILE = "cli.log"       # what the console showed, in the run directory
 
 
-class _Tee(io.TextIOBase):
-    """A console stream that also appends what it writes to a file (shared by stdout and stderr,
-    which the launcher's threads write to at once)."""
+class _ConsoleLog:
+    """The file RUN_DIR/cli.log, shared by both console streams. If it cannot be written (the run
+    directory's disk is full) the console goes on without it, saying so once."""
 
-    def __init__(self, stream, file, lock):
-        self.stream, self.file, self.lock = stream, file, lock
+    def __init__(self, path: str):
+        self.path, self.lock = path, threading.Lock()
+        self.file: io.TextIOBase | None = open(path, "a")
+
+    def write(self, text: str) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(text)
+            self.file.flush()
+        except OSError as e:
+            self.close()
+            sys.__stderr__.write(f"[dynaresize] cannot write {self.path} ({e.strerror}): the console is no "
+                                 f"longer copied there\n")
+
+    def close(self) -> None:
+        file, self.file = self.file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
+
+
+class _Tee(io.TextIOBase):
+    """A console stream that also appends what it writes to the console log (stdout and stderr
+    share it; the launcher's threads write to both at once)."""
+
+    def __init__(self, stream, log: _ConsoleLog):
+        self.stream, self.log = stream, log
 
     def write(self, text: str) -> int:
-        with self.lock:
+        with self.log.lock:
             self.stream.write(text)
-            self.file.write(text)
+            self.log.write(text)
         return len(text)
 
     def flush(self) -> None:
-        with self.lock:
+        with self.log.lock:
             self.stream.flush()
-            self.file.flush()
 
     def fileno(self) -> int:
         return self.stream.fileno()
@@ -145,16 +182,16 @@ class _Tee(io.TextIOBase):
 def console_log(path: str):
     """Copy everything this process prints (the ranks' output passes through it) to `path`."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    lock = threading.Lock()
-    with open(path, "a") as f:
-        out, err = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(out, f, lock), _Tee(err, f, lock)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            sys.stdout, sys.stderr = out, err
+    log = _ConsoleLog(path)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.stdout, sys.stderr = out, err
+        log.close()
 
 
 def resume_run(run_dir: str, overrides: list[str]) -> int:
@@ -188,9 +225,13 @@ def resume_run(run_dir: str, overrides: list[str]) -> int:
 
 
 def check_inputs(cfg: JobConfig) -> None:
-    """What validation cannot see in the values alone, before anything starts: the dataset's rows
-    and prompt lengths, and that the reward function imports."""
+    """What validation cannot see in the values alone, before anything starts: the model folder's
+    files, the dataset's rows and prompt lengths, and that the reward function imports."""
     from ..data.rewards import load_reward
+    from .validate import check_model_folder
+    problems = check_model_folder(cfg.model.path) if cfg.model.path else []
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  {p}" for p in problems))
     try:
         load_reward(cfg.reward._target_, cfg.reward.kwargs)
     except ValueError as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import shutil
 import threading
 import time
 
@@ -233,3 +234,25 @@ def explain_failure(output_lines: list[str], run_dir: str,
         names = ", ".join(str(r) for r in later)
         what += f"; rank{'s' if len(later) > 1 else ''} {names} failed after it (a consequence)"
     return what
+
+
+DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def disk_full_hint(output_lines: list[str], places: dict[str, str | None]) -> str | None:
+    """If the ranks failed on a full disk (or quota): how much room each of `places` (what: path) has
+    left, so the user sees which one filled up."""
+    if not any(text in line for line in output_lines for text in DISK_FULL):
+        return None
+    room = []
+    for what, path in places.items():
+        if path:
+            try:
+                free = shutil.disk_usage(path).free
+            except OSError:
+                continue
+            room.append(f"{what} {path}: {free / 2**20:.1f} MiB free")
+    if not room:
+        return None
+    return (f"a disk is full ({'; '.join(room)}). Fix: free space there (or raise the quota) and start the "
+            f"same command again: it resumes from the last checkpoint")

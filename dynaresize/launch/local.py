@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 from ..runtime.checkpoint import latest
 from ..config import JobConfig
-from ..runtime.staging import RUN_ID_ENV, job_staging_dir, new_run_id, remove_dir
+from ..runtime.staging import RUN_ID_ENV, job_staging_dir, new_run_id, remove_dir, scratch_root
+from ..runtime.liveness import LAUNCHER_ENV, process_identity
 from ..runtime.status import clear_statuses
-from .failure import RankWatch, explain_failure
+from .failure import RankWatch, disk_full_hint, explain_failure
+from .watchdog import StallWatch
 
 
 def find_mpiexec(name: str) -> str:
@@ -49,20 +51,24 @@ class Finished:
     lines: list[str]                        # its output
     exits: list[tuple[float, int]]          # [(time, rank)] in the order the ranks ended (RankWatch)
     stopped_by: int | None = None           # the signal that stopped the job, if one did
+    stalled: str | None = None              # why the stall watchdog stopped the job, if it did
 
 
-def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0) -> Finished:
+def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0,
+                       stall: tuple[str, int, float | None] | None = None) -> Finished:
     """Run `cmd`, passing its output through and keeping its lines for a failure report; with
     `ranks` > 0 also the order in which the ranks that `cmd` starts on this machine end
     ([(time, rank)], RankWatch): the first is the cause of a failure.
 
     The launcher owns its job: SIGINT, SIGTERM and SIGHUP are passed on to `cmd` (mpiexec stops
     its ranks), and if the job has not ended STOP_GRACE_S later its processes are killed, so no
-    rank outlives the launcher."""
+    rank outlives the launcher. `stall` = (run directory, ranks, run.stall_timeout_s): a StallWatch
+    kills the job if its ranks stop making progress."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     watch = RankWatch(proc.pid, ranks).start() if ranks > 0 else None
     lines: list[str] = []
     stopped: list[int] = []
+    stalled: list[str] = []
 
     def kill_job() -> None:
         if proc.poll() is None:
@@ -81,6 +87,15 @@ def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0) -> F
             timer.daemon = True
             timer.start()
 
+    def on_stall(message: str) -> None:
+        stalled.append(message)
+        proc.send_signal(signal.SIGTERM)    # srun passes it to its tasks; mpiexec stops its ranks
+        kill_job()                          # the ranks seen here: a stopped process ignores SIGTERM
+        timer = threading.Timer(STOP_GRACE_S, proc.kill)
+        timer.daemon = True
+        timer.start()
+
+    stall_watch = StallWatch(*stall, on_stall=on_stall).start() if stall else None
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS} if in_main else {}
 
@@ -102,11 +117,13 @@ def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0) -> F
         code = proc.wait()
     finally:
         exits = watch.stop() if watch is not None else []
+        if stall_watch is not None:
+            stall_watch.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
     for t in pumps:
         t.join()
-    return Finished(code, lines, exits, stopped[0] if stopped else None)
+    return Finished(code, lines, exits, stopped[0] if stopped else None, stalled[0] if stalled else None)
 
 
 def mpiexec_command(ranks: int, mpiexec: str = "mpiexec") -> list[str]:
@@ -129,12 +146,18 @@ def supervise(cmd: list[str], env: dict[str, str], cfg: JobConfig, ranks_here: i
     that `cmd` starts as this process's descendants (RankWatch sees their order of exit)."""
     clear_statuses(cfg.run.output_dir)   # an earlier run's, in a resumed run's directory
     run_id = new_run_id()                # the ranks' staging directory is named after it
+    # The ranks watch this process: if it is killed they remove their staging and end.
+    env = {**env, RUN_ID_ENV: run_id, LAUNCHER_ENV: process_identity()}
     try:
-        done = run_watching_ranks(cmd, {**env, RUN_ID_ENV: run_id}, ranks_here)
+        done = run_watching_ranks(cmd, env, ranks_here,
+                                  stall=(cfg.run.output_dir, cfg.cluster.ranks, cfg.run.stall_timeout_s))
     finally:                         # a rank that died cannot clean up its staged state
         remove_dir(job_staging_dir(cfg.cluster.local_scratch, run_id))
     code = done.code
-    if done.stopped_by is not None:
+    if done.stalled is not None:
+        print(f"dynaresize: {done.stalled}", file=sys.stderr, flush=True)
+        code = 1
+    elif done.stopped_by is not None:
         name = signal.Signals(done.stopped_by).name
         print(f"dynaresize: stopped by {name}: the ranks were stopped and the job's staged state removed"
               + (f"; it resumes from {latest(cfg.run.output_dir)} when started again on "
@@ -144,6 +167,10 @@ def supervise(cmd: list[str], env: dict[str, str], cfg: JobConfig, ranks_here: i
         why = explain_failure(done.lines, cfg.run.output_dir, done.exits)
         if why:
             print(f"dynaresize: {why}", file=sys.stderr, flush=True)
+        full = disk_full_hint(done.lines, {"run directory": cfg.run.output_dir,
+                                           "scratch": scratch_root(cfg.cluster.local_scratch)})
+        if full:
+            print(f"dynaresize: {full}", file=sys.stderr, flush=True)
     if code != 0:
         # Rank 0 killed while it wrote the timeline (a few ms an iteration) leaves the file marked
         # as open for writing, which plain h5py refuses; every rank has ended, so it is mended here.

@@ -192,7 +192,9 @@ def validate(cfg: JobConfig) -> None:
              "use run.mode=real or dynaresize-sim, or rollout.migration_threshold=0")
 
     need(math.isfinite(t.lr) and t.lr > 0, "trainer.lr", f"is {t.lr}", "use a positive, finite learning rate, e.g. 1e-6")
-    need(t.micro_batch_size >= 1 and cfg.batch_size % max(t.micro_batch_size, 1) == 0,
+    # the checks of the batch's micro-batches only once the batch itself is valid (one problem, one line)
+    batch_ok = r.prompts_per_batch >= 1 and r.samples_per_prompt >= 2
+    need(not batch_ok or (t.micro_batch_size >= 1 and cfg.batch_size % max(t.micro_batch_size, 1) == 0),
          "trainer.micro_batch_size",
          f"{t.micro_batch_size} does not divide the batch of {cfg.batch_size} samples "
          f"(rollout.prompts_per_batch x rollout.samples_per_prompt)", "choose a divisor of the batch size")
@@ -230,7 +232,7 @@ def validate(cfg: JobConfig) -> None:
              f"{p.train_ranks} is not a multiple of policy.resize_unit={p.resize_unit}", "use a multiple")
     micro_batches = cfg.batch_size // max(t.micro_batch_size, 1)
     most_train = c.ranks if colocated else c.ranks - p.resize_unit
-    need(micro_batches >= most_train, "trainer.micro_batch_size",
+    need(not batch_ok or micro_batches >= most_train, "trainer.micro_batch_size",
          f"the batch has {micro_batches} micro-batches but up to {most_train} ranks may train",
          "lower trainer.micro_batch_size or raise rollout.prompts_per_batch")
     need(not (colocated and t.work_stealing), "trainer.work_stealing",
@@ -280,6 +282,8 @@ def validate(cfg: JobConfig) -> None:
         except (ProfileError, ValueError, TypeError) as e:
             errors.append(f"  hardware: {e}. Fix: correct the profile (see dynaresize/conf/hardware/h100.yaml).")
     need(run.checkpoint_every >= 0, "run.checkpoint_every", f"is {run.checkpoint_every}", "use 0 or more")
+    need(run.stall_timeout_s is None or run.stall_timeout_s > 0, "run.stall_timeout_s", f"is {run.stall_timeout_s}",
+         "use a number of seconds above 0, or null for the default (10 x the longest operation, at least 600 s)")
     need(run.resume is None, "run.resume", f"is {run.resume!r} in a config; it continues a run from the command "
          f"line only", "run `dynaresize run.resume=RUN_DIR [field=value ...]`, and leave it out of config files")
 
@@ -303,6 +307,38 @@ def validate(cfg: JobConfig) -> None:
 
     if errors:
         raise ConfigError("invalid configuration:\n" + "\n".join(errors))
+
+
+# What a model folder must hold for the engines and the cost model (model.path).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def check_model_folder(path: str) -> list[str]:
+    """The problems of a Hugging Face checkpoint folder for a job (each a line with its fix): its
+    weights, a causal language model, the config fields the engines and the cost model read.
+    Files only (no torch): the launcher checks it before any rank starts."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        return [f"model.path: {path}/config.json cannot be read ({e}). Fix: give a folder written by "
+                f"save_pretrained."]
+    problems = []
+    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
+        problems.append(f"model.path: {path} holds no weights (none of {', '.join(WEIGHT_FILES)}). Fix: give the "
+                        f"folder save_pretrained wrote, weights included.")
+    architectures = hf.get("architectures") or []
+    if architectures and not any(str(a).endswith(CAUSAL_SUFFIXES) for a in architectures):
+        problems.append(f"model.path: {path} is a {', '.join(map(str, architectures))}, not a causal language "
+                        f"model. Fix: give a decoder-only checkpoint (an ...ForCausalLM, e.g. Qwen2ForCausalLM).")
+    missing = [name for name in CONFIG_FIELDS if not isinstance(hf.get(name), int)]
+    if missing:
+        problems.append(f"model.path: {path}/config.json lacks {', '.join(missing)}, which the rollout engines and "
+                        f"the cost model read. Fix: use a checkpoint of a supported architecture (Qwen2, Llama, "
+                        f"Mistral, ...).")
+    return problems
 
 
 def validate_data(cfg: JobConfig, need) -> None:

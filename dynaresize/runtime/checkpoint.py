@@ -43,7 +43,7 @@ LEGACY_STATE_FILE = "state.pkl"    # format 1 (pickles), refused
 FIXED = ("cluster.ranks", "run.seed", "run.max_lag", "run.mode", "model", "workload", "data", "reward", "trainer", "policy",
          "rollout.engine", "rollout.prompts_per_batch", "rollout.samples_per_prompt", "rollout.temperature",
          "rollout.ignore_eos", "hardware")
-FREE = ("data.val_files",)        # inside FIXED, but what it changes (the evaluation) trains nothing
+FREE = ("data.val_files", "reward.timeout_s")   # inside FIXED, but they change nothing trained
 
 
 @dataclass

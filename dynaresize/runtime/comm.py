@@ -99,10 +99,11 @@ class ControlPlane:
         self.comm.Abort(code)
 
     # --- clocks ----------------------------------------------------------------------------
-    def align_clocks(self, rounds: int = 8) -> None:
+    def align_clocks(self, origin: float | None = None, rounds: int = 8) -> None:
         """Estimate this rank's offset to rank 0's clock (min round-trip ping-pong), set t0.
 
-        Timeline times are `now()`: seconds since the job's start on rank 0's clock.
+        Timeline times are `now()`: seconds since the job's start on rank 0's clock, or since
+        `origin` (rank 0's: a Unix time), the start of a resumed run's first attempt.
         """
         comm = self.comm
         best_rtt, offset = float("inf"), 0.0
@@ -119,7 +120,7 @@ class ControlPlane:
                     if t_recv - t_send < best_rtt:
                         best_rtt, offset = t_recv - t_send, t_root - (t_send + t_recv) / 2
         self.clock_offset = offset
-        self.t0 = self.bcast(time.time() if self.rank == 0 else None)
+        self.t0 = self.bcast((time.time() if origin is None else origin) if self.rank == 0 else None)
 
     def now(self) -> float:
         return time.time() + self.clock_offset - self.t0

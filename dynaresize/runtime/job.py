@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import pickle
+import socket
 import time
 
 import numpy as np
@@ -41,12 +42,13 @@ from ..plan.migration import MIGRATE_TAG, HandoffInbox, TailRoster
 from ..plan.placement import place_prompts, placement_lists
 from .rollout.base import ENGINES, GroupRequest, Handoff, make_engine
 from ..plan.stealing import MicroBatchQueue
-from .staging import RUN_ID_ENV, job_staging_dir, make_private_dir, new_run_id, remove_dir
+from .staging import (RUN_ID_ENV, earlier_attempts, job_staging_dir, make_private_dir, new_run_id, remove_dir,
+                      remove_earlier_staging, staged_mark)
 from .status import status_path, write_status
 from ..timeline.reader import TIMELINE_FILE
 from ..timeline.recorder import Recorder
 from ..timeline.schema import BACKGROUND
-from ..timeline.writer import TimelineWriter
+from ..timeline.writer import TimelineWriter, clock_origin
 from .trainer import (ShardedTrainer, add_step_sums, batch_figures, cut_micro_batches, differing_groups,
                       micro_batch_tokens)
 from .types import Sample
@@ -67,7 +69,12 @@ class Job:
                                f"launch as many ranks as configured")
         torch.set_num_threads(threads_per_rank(ctrl))
         self.run_dir = cfg.run.output_dir or os.getcwd()
-        ctrl.align_clocks()
+        resume = ctrl.bcast(checkpoint.find_resume(self.run_dir) if self.rank == 0 else None)
+        # A resumed run's clock goes on from its first attempt's start: the timeline's times keep
+        # rising across attempts, and the gap between two is the time the interruption cost.
+        ctrl.align_clocks(origin=clock_origin(os.path.join(self.run_dir, TIMELINE_FILE))
+                          if resume is not None and self.rank == 0 else None)
+        self.attempt_start = ctrl.now()
         self.backend = ctrl.init_data_plane(cfg.cluster.device)
         self.device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
         self.rec = Recorder(self.rank, ctrl.now)
@@ -89,6 +96,12 @@ class Job:
         # The run id binds staged files to this job (a leftover of another run is never read as ours).
         self.run_id = ctrl.bcast((os.environ.get(RUN_ID_ENV) or new_run_id()) if self.rank == 0 else None)
         self.staging_dir = job_staging_dir(cfg.cluster.local_scratch, self.run_id)
+        if ctrl.local_rank == 0:          # what killed attempts of this run left on this node
+            for path in remove_earlier_staging(self.run_dir, cfg.cluster.local_scratch, self.run_id):
+                print(f"[dynaresize] removed {path}, left on {socket.gethostname()} by an earlier attempt "
+                      f"of this run", flush=True)
+        if self.rank == 0:
+            write_status(staged_mark(self.run_dir, self.run_id), "")
         make_private_dir(self.staging_dir)
         self.staged_files: list[str] = []
         self.background_ops: list = []
@@ -101,7 +114,6 @@ class Job:
 
         self.end_warned = False          # Slurm warned of the job's end, agreed by all ranks
         self.last_checkpoint: str | None = None
-        resume = ctrl.bcast(checkpoint.find_resume(self.run_dir) if self.rank == 0 else None)
 
         self.set_status("startup")
         with self.rec.span(-1, "startup", "none") as ev:
@@ -153,6 +165,9 @@ class Job:
             self.metrics = MetricsLogger(cfg.logger, self.run_dir, config=json.loads(json.dumps(
                 dataclasses.asdict(cfg), default=str)), run_name=os.path.basename(self.run_dir))
         ctrl.barrier()                    # iteration 0 starts together, after everyone's start-up
+        if self.rank == 0:                # every node has removed the earlier attempts' staging
+            for old in earlier_attempts(self.run_dir, self.run_id):
+                os.remove(staged_mark(self.run_dir, old))
         if getattr(self.policy, "start_reason", "") and resume is None and self.rank == 0:
             print(f"[dynaresize] {self.policy.start_reason}", flush=True)
         if resume is not None and self.rank == 0:
@@ -203,10 +218,10 @@ class Job:
                 "policy": self.cfg.policy.name, "max_lag": self.cfg.run.max_lag,
                 "hostnames": json.dumps(self.ctrl.hostnames), "parameters": self.layout.numel,
                 "priced_parameters": self.priced_numel,
-                "dynaresize_version": __version__}
+                "dynaresize_version": __version__, "clock_origin": self.ctrl.t0}
         path = os.path.join(self.run_dir, TIMELINE_FILE)
         if resume is not None and os.path.exists(path):
-            return TimelineWriter(path, meta, resume_after=resume.iteration)
+            return TimelineWriter(path, meta, resume_after=resume.iteration, attempt_start_s=self.attempt_start)
         return TimelineWriter(path, meta)
 
     @property
@@ -459,13 +474,15 @@ class Job:
 
     def sync_weights(self, it: int) -> None:
         """Broadcast the updated weights from train rank 0 to every rollout rank."""
+        # the status first: a rank that dies from here on is reported in the weight sync
+        self.set_status(f"weight_sync (iteration {it}, {self.table.describe()}, "
+                        f"{'sending' if self.rank == 0 else 'receiving' if self.table.generates(self.rank) else 'idle'})")
+        inject_fault(self.rank, "weight_sync")      # tests: a rank dies at the stage's first line
         if self.table.colocated_mode:
             return                                   # every rank holds the trainer's weights already
-        group = self.registry.get("sync", self.table.num_train)
         if self.rank != 0 and not self.table.generates(self.rank):
             return
-        self.set_status(f"weight_sync (iteration {it}, {self.table.describe()}, "
-                        f"{'sending' if self.rank == 0 else 'receiving'})")
+        group = self.registry.get("sync", self.table.num_train)
         with self.rec.span(it, "weight_sync", self.role) as ev:
             flat = (self.trainer.flat if self.rank == 0 else self.helper.flat if self.helper is not None
                     else torch.empty(self.layout.numel, device=self.device))
@@ -577,10 +594,16 @@ class Job:
             self.writer.close(complete=False)
             self.metrics.close()
         self._close_engines()
-        if self.ctrl.local_rank == 0:
-            remove_dir(self.staging_dir)
+        self._remove_staging()
         dist.destroy_process_group()
         self.set_status("finished (suspended after a checkpoint, to be resumed)")
+
+    def _remove_staging(self) -> None:
+        if self.ctrl.local_rank == 0:
+            remove_dir(self.staging_dir)
+        self.ctrl.barrier()               # every node's, before the mark that would have them removed goes
+        if self.rank == 0:
+            os.remove(staged_mark(self.run_dir, self.run_id))
 
     def _close_engines(self) -> None:
         for engine in (self.state.engine, self.state.parked_engine):
@@ -609,8 +632,7 @@ class Job:
             self.metrics.close()
             self._print_closing_summary()
         self._close_engines()
-        if self.ctrl.local_rank == 0:
-            remove_dir(self.staging_dir)
+        self._remove_staging()
         dist.destroy_process_group()
         self.set_status("finished")
 

@@ -26,9 +26,14 @@ class RequeueLimit(RuntimeError):
 
 
 def install() -> None:
-    """Take SIGUSR2 in this rank, inside a Slurm job (a local run is never warned)."""
+    """Take SIGUSR2 in this rank, inside a Slurm job (a local run is never warned), and let SIGTERM
+    end it at once."""
     if os.environ.get("SLURM_JOB_ID"):
         signal.signal(signal.SIGUSR2, _on_warning)
+        # submitit "bypasses" SIGTERM (it requeues on its own signal): when Slurm ends an attempt
+        # (a cancel, a lost node) the ranks would run on until SIGKILL, iterations and checkpoints
+        # that the failure report and the next attempt do not expect.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _on_warning(signum, frame) -> None:

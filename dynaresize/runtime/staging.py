@@ -29,6 +29,7 @@ from typing import Callable
 import h5py
 import numpy as np
 
+from .status import STATUS_DIR
 from .types import ShardState
 
 STATE_FIELDS = ("params", "exp_avg", "exp_avg_sq")
@@ -77,6 +78,36 @@ def make_private_dir(path: str) -> None:
 
 def remove_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+# RUN_DIR/.ranks/staged-RUN_ID: an attempt of the run that may have staged on the nodes' scratch.
+# A rank that Slurm kills (a cancel, a lost node, the end of a requeued attempt) cannot remove its
+# staging; the run's next attempt does, on every node it runs on.
+STAGED_MARK = "staged-"
+
+
+def staged_mark(run_dir: str, run_id: str) -> str:
+    return os.path.join(run_dir, STATUS_DIR, STAGED_MARK + run_id)
+
+
+def earlier_attempts(run_dir: str, run_id: str) -> list[str]:
+    """The run ids of the run's earlier attempts that may have left staging behind."""
+    try:
+        names = os.listdir(os.path.join(run_dir, STATUS_DIR))
+    except OSError:
+        return []
+    return [n[len(STAGED_MARK):] for n in names if n.startswith(STAGED_MARK) and n[len(STAGED_MARK):] != run_id]
+
+
+def remove_earlier_staging(run_dir: str, configured: str | None, run_id: str) -> list[str]:
+    """Remove, on this node, the staging directories of the run's earlier attempts; the removed."""
+    removed = []
+    for old in earlier_attempts(run_dir, run_id):
+        path = job_staging_dir(configured, old)
+        if os.path.isdir(path):
+            remove_dir(path)
+            removed.append(path)
+    return removed
 
 
 def shard_path(directory: str, version: int, rank: int) -> str:

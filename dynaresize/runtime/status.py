@@ -34,11 +34,13 @@ def write_status(path: str, text: str, rank: int | None = None) -> None:
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.remove(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and not e.filename:      # name the file (a full disk says only errno)
+            raise OSError(e.errno, f"{e.strerror} (writing the rank's status file)", path) from None
         raise
     spec = os.environ.get(KILL_AT_STATUS_ENV)
     if spec and rank is not None:
@@ -56,7 +58,7 @@ def rank_status(run_dir: str, rank: int) -> str | None:
 
 
 def clear_statuses(run_dir: str) -> None:
-    """Remove the status files of an earlier run in `run_dir` (a rank that dies before it writes
+    """Remove the status and heartbeat files of an earlier run in `run_dir` (a rank that dies before it writes
     one must not be reported as doing what the earlier run's rank did)."""
     directory = os.path.join(run_dir, STATUS_DIR)
     try:
@@ -64,7 +66,7 @@ def clear_statuses(run_dir: str) -> None:
     except OSError:
         return
     for name in names:
-        if name.startswith("rank-") or name.endswith(".tmp"):
+        if name.startswith(("rank-", "beat-")) or name.endswith(".tmp"):
             try:
                 os.remove(os.path.join(directory, name))
             except OSError:

@@ -5,6 +5,7 @@ a collective for it.
 """
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -19,9 +20,11 @@ def run_rank(cfg: JobConfig) -> None:
     preemption.install()          # first: Slurm's warning is ours from the start, not submitit's
     from .comm import ControlPlane
     from .job import Job
+    from .liveness import RankLiveness
     from ..loop import run_iterations
 
     ctrl = ControlPlane()
+    liveness = RankLiveness(cfg.run.output_dir or os.getcwd(), ctrl.rank, cfg.cluster.local_scratch).start()
     try:
         run_iterations(Job(cfg, ctrl), cfg.run.iterations, cfg.run.max_lag, cfg.eval.every)
     except preemption.RequeueLimit:
@@ -30,6 +33,8 @@ def run_rank(cfg: JobConfig) -> None:
         print(f"[dynaresize] rank {ctrl.rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         traceback.print_exc()
         ctrl.abort(1)
+    finally:
+        liveness.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

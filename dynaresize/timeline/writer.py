@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import signal
 import sys
@@ -49,13 +50,15 @@ DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT",
 
 
 class TimelineWriter:
-    def __init__(self, path: str | os.PathLike, meta: dict, resume_after: int | None = None):
-        """Create `path`, or with `resume_after=i` reopen it and drop rows of iterations > i."""
+    def __init__(self, path: str | os.PathLike, meta: dict, resume_after: int | None = None,
+                 attempt_start_s: float = 0.0):
+        """Create `path`, or with `resume_after=i` reopen it, drop rows of iterations > i and
+        record a new attempt that started at `attempt_start_s` (attribute `attempts`)."""
         self.path = os.fspath(path)
         if resume_after is None:
             self._create(meta)
         else:
-            self._truncate_after(resume_after)
+            self._truncate_after(resume_after, attempt_start_s)
         self._pending: dict[str, list[np.ndarray]] = {name: [] for name in DATASETS}
         self._closed = False
 
@@ -70,15 +73,17 @@ class TimelineWriter:
             for name, dtype in DATASETS.items():
                 f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(CHUNK_ROWS,))
 
-    def _truncate_after(self, iteration: int) -> None:
+    def _truncate_after(self, iteration: int, attempt_start_s: float) -> None:
         """Resume: keep only rows of completed iterations, so none is lost or repeated.
 
         A file whose writer died holding it is marked as open for writing, which HDF5 refuses to
         open for writing again; a SWMR reader still can. So the kept rows are copied into a new
         file that replaces the old one.
         """
+        attempt = {"start_s": attempt_start_s, "after_iteration": iteration}
         _copy_rows(self.path, lambda data: data[data["iteration"] <= iteration],
-                   {"complete": False, "resumed": lambda attrs: int(attrs.get("resumed", 0)) + 1})
+                   {"complete": False, "resumed": lambda attrs: int(attrs.get("resumed", 0)) + 1,
+                    "attempts": lambda attrs: json.dumps(json.loads(attrs.get("attempts", "[]")) + [attempt])})
 
     def append(self, name: str, records: list[dict] | np.ndarray) -> None:
         """Add rows to dataset `name`; they are written by the next `flush` (or `close`)."""
@@ -184,6 +189,17 @@ def _copy_rows(path: str, keep, attr_updates: dict) -> None:
     os.replace(tmp, path)
 
 
+def clock_origin(path: str | os.PathLike) -> float | None:
+    """The Unix time a run's clock started at (attribute `clock_origin`), for a resumed attempt
+    to go on from; None if the file is missing or older than that attribute."""
+    try:
+        with h5py.File(path, "r", libver="latest", swmr=True) as f:
+            origin = f.attrs.get("clock_origin")
+    except OSError:
+        return None
+    return None if origin is None else float(origin)
+
+
 def needs_repair(path: str | os.PathLike) -> bool:
     """True if `path` is marked as open for writing (its writer was killed holding it), so that
     plain h5py.File(path, "r") refuses it."""
@@ -228,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["TimelineWriter", "TimelineError", "last_complete_iteration", "repair_timeline", "needs_repair"]
+__all__ = ["TimelineWriter", "TimelineError", "clock_origin", "last_complete_iteration", "repair_timeline",
+           "needs_repair"]
 
 if __name__ == "__main__":
     sys.exit(main())
