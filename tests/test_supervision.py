@@ -43,15 +43,20 @@ def kill_all(pids) -> None:
 @pytest.mark.fault("the launcher killed (SIGKILL) while its job runs; a second launch into the run "
                    "directory meanwhile",
                    "the second launch is refused naming the first's pid (exit 2); every rank and mpiexec end "
-                   "within seconds and the ranks remove their staging; a later launch takes the lock over")
+                   "within seconds and the ranks remove their staging; a later launch takes the lock over and "
+                   "removes the staging that killed attempts of the run left")
 def test_killed_launcher_takes_its_job_and_staging_with_it(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     run_dir = tmp_path / "run"
-    proc = start_job(run_dir, f"cluster.local_scratch={scratch}")
+    proc = start_job(run_dir, f"cluster.local_scratch={scratch}", "run.checkpoint_every=1")
     job = []
     try:
         wait_for_iteration(proc)
+        for _ in range(600):               # a checkpoint to resume from
+            if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+                break
+            time.sleep(0.1)
         job = descendants(proc.pid)
         assert rank_pid(proc.pid, 0) and rank_pid(proc.pid, 2), "ranks not found"
         assert any(p.name.startswith("dynaresize-") for p in scratch.iterdir()), "no staging directory"
@@ -78,6 +83,17 @@ def test_killed_launcher_takes_its_job_and_staging_with_it(tmp_path):
 
     lock = json.loads((run_dir / ".lock").read_text())        # the dead launcher's
     assert lock["launcher"].split(":")[1] == str(proc.pid)
+
+    # A rank Slurm kills cannot remove its staging: the run's next attempt removes it, on each of
+    # its nodes, from the marks attempts leave in RUN_DIR/.ranks (here, one that a killed attempt
+    # left, made by hand; and another run's staging, which is not this run's to remove).
+    from dynaresize.runtime.staging import job_staging_dir, staged_mark
+    left = job_staging_dir(str(scratch), "0123456789abcdef")
+    os.makedirs(os.path.join(left, "v00001"))
+    open(staged_mark(str(run_dir), "0123456789abcdef"), "w").close()
+    unrelated = job_staging_dir(str(scratch), "fedcba9876543210")
+    os.makedirs(unrelated)
+
     resumed_from = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").iterdir())
     again = subprocess.run([sys.executable, "-m", "dynaresize.launch.cli", f"hydra.run.dir={run_dir}", *COMMON[:-1],
                             f"run.iterations={resumed_from + 2}", f"cluster.local_scratch={scratch}"],
@@ -85,6 +101,9 @@ def test_killed_launcher_takes_its_job_and_staging_with_it(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"the launcher that held {run_dir / '.lock'} (pid {proc.pid} on" in again.stderr, again.stderr[-3000:]
     assert not (run_dir / ".lock").exists(), "the lock outlived the launcher that released it"
+    assert f"removed {left}, left on" in again.stdout, again.stdout
+    assert sorted(os.listdir(scratch)) == [os.path.basename(unrelated)]
+    assert not [n for n in os.listdir(run_dir / ".ranks") if n.startswith("staged-")]
 
 
 @pytest.mark.fault("a rank stopped (SIGSTOP) during training",
@@ -237,24 +256,3 @@ def test_console_log_on_a_full_disk_is_dropped_and_the_console_goes_on(capfd):
     assert out == "first line\nsecond line\n"
     assert err.count("cannot write /dev/full (No space left on device)") == 1, err
 
-
-def test_staging_left_by_a_killed_attempt_is_removed_by_the_next(tmp_path):
-    """A rank Slurm kills cannot remove its staging: the run's next attempt removes it, on each of
-    its nodes, from the marks the attempts leave in RUN_DIR/.ranks."""
-    from conftest import run_cli
-    from dynaresize.runtime.staging import job_staging_dir, staged_mark
-
-    scratch, run_dir = tmp_path / "scratch", tmp_path / "run"
-    scratch.mkdir()
-    left = job_staging_dir(str(scratch), "0123456789abcdef")       # what a killed attempt left
-    os.makedirs(os.path.join(left, "v00001"))
-    open(os.path.join(left, "v00001", "rank00001.h5"), "w").close()
-    os.makedirs(run_dir / ".ranks")
-    open(staged_mark(str(run_dir), "0123456789abcdef"), "w").close()
-    unrelated = job_staging_dir(str(scratch), "fedcba9876543210")   # another run's: not ours to remove
-    os.makedirs(unrelated)
-
-    proc = run_cli(run_dir, "run.iterations=1", f"cluster.local_scratch={scratch}")
-    assert f"removed {left}, left on" in proc.stdout, proc.stdout
-    assert sorted(os.listdir(scratch)) == [os.path.basename(unrelated)]
-    assert not [n for n in os.listdir(run_dir / ".ranks") if n.startswith("staged-")]

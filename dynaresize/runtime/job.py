@@ -43,7 +43,7 @@ from ..plan.placement import place_prompts, placement_lists
 from .rollout.base import ENGINES, GroupRequest, Handoff, make_engine
 from ..plan.stealing import MicroBatchQueue
 from .staging import (RUN_ID_ENV, earlier_attempts, job_staging_dir, make_private_dir, new_run_id, remove_dir,
-                      remove_earlier_staging, staged_mark)
+                      remove_earlier_staging, remove_mark, staged_mark)
 from .status import status_path, write_status
 from ..timeline.reader import TIMELINE_FILE
 from ..timeline.recorder import Recorder
@@ -167,7 +167,7 @@ class Job:
         ctrl.barrier()                    # iteration 0 starts together, after everyone's start-up
         if self.rank == 0:                # every node has removed the earlier attempts' staging
             for old in earlier_attempts(self.run_dir, self.run_id):
-                os.remove(staged_mark(self.run_dir, old))
+                remove_mark(self.run_dir, old)
         if getattr(self.policy, "start_reason", "") and resume is None and self.rank == 0:
             print(f"[dynaresize] {self.policy.start_reason}", flush=True)
         if resume is not None and self.rank == 0:
@@ -603,7 +603,7 @@ class Job:
             remove_dir(self.staging_dir)
         self.ctrl.barrier()               # every node's, before the mark that would have them removed goes
         if self.rank == 0:
-            os.remove(staged_mark(self.run_dir, self.run_id))
+            remove_mark(self.run_dir, self.run_id)
 
     def _close_engines(self) -> None:
         for engine in (self.state.engine, self.state.parked_engine):

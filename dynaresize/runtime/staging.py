@@ -90,6 +90,13 @@ def staged_mark(run_dir: str, run_id: str) -> str:
     return os.path.join(run_dir, STATUS_DIR, STAGED_MARK + run_id)
 
 
+def remove_mark(run_dir: str, run_id: str) -> None:
+    try:
+        os.remove(staged_mark(run_dir, run_id))
+    except FileNotFoundError:
+        pass
+
+
 def earlier_attempts(run_dir: str, run_id: str) -> list[str]:
     """The run ids of the run's earlier attempts that may have left staging behind."""
     try:

@@ -61,8 +61,22 @@ for name in slurmctld slurmd slurmdbd; do
         die "another $name is running (pid $pid: ${cmdline% }); stop it first (stop.sh <its state dir>)"
     done
 done
-if ip link show "$BRIDGE" >/dev/null 2>&1 || ip netns list | grep -q "^$NETNS_PREFIX"; then
-    die "the bridge $BRIDGE or a namespace $NETNS_PREFIX* exists: another test cluster is up (or was killed); run stop.sh on its state dir"
+# No daemon of any test cluster runs (checked above), so a bridge or namespace still here is left
+# over from a cluster that was killed (its machine restarted, its stop.sh never ran): removed,
+# unless some process still lives in one of those namespaces.
+leftover_namespaces=$(ip netns list | awk -v p="^$NETNS_PREFIX" '$1 ~ p {print $1}')
+if ip link show "$BRIDGE" >/dev/null 2>&1 || [[ -n "$leftover_namespaces" ]]; then
+    for ns in $leftover_namespaces; do
+        [[ -z "$(ip netns pids "$ns" 2>/dev/null)" ]] ||
+            die "processes still run in the namespace $ns of another test cluster (ip netns pids $ns); run stop.sh on its state dir"
+    done
+    echo "testcluster: removing the network of a test cluster that was killed (${leftover_namespaces//$'\n'/ } $BRIDGE)" >&2
+    for ns in $leftover_namespaces; do ip netns del "$ns"; done
+    ip link del "$BRIDGE" 2>/dev/null || true
+    for _ in $(seq 50); do     # the kernel removes the namespaces' veth ends shortly after
+        ip -br link | grep -q "^drtc-v" || break
+        sleep 0.1
+    done
 fi
 if ip -br addr | grep -q " $SUBNET\."; then
     die "$SUBNET.0/24 is already used on this machine; set TESTCLUSTER_SUBNET to a free 10.x.y prefix"
