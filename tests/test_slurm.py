@@ -113,16 +113,19 @@ def test_sbatch_template(tmp_path):
     assert bool(attrs["complete"]) and int(attrs["mpi_world_size"]) == 4 and list(its) == [0, 1, 2]
 
 
-@pytest.mark.fault("a node of a 2-node Slurm job set DOWN mid-run; then Slurm's end-of-job warning (USR2), "
-                   "more times than cluster.max_requeues allows",
-                   "the follower names the node, its reason and what its ranks were doing; Slurm requeues the job "
-                   "and it resumes; a warning checkpoints and requeues, the one past the limit checkpoints and "
-                   "stops with the fix; submitted again, it ends with the same weights (bit for bit)")
+@pytest.mark.fault("a node of a 2-node Slurm job lost mid-run (its slurmd and ranks killed, the node DOWN until "
+                   "it is started again); then Slurm's end-of-job warning (USR2), more times than "
+                   "cluster.max_requeues allows",
+                   "the follower names the node, its reason and what its ranks were doing; the other node's ranks "
+                   "end and the requeued job waits for a node; once the node is back it resumes and removes the "
+                   "staging the lost attempt left on both nodes; a warning checkpoints and requeues, the one past "
+                   "the limit checkpoints and stops with the fix; submitted again, it ends with the same weights "
+                   "(bit for bit)")
 def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
-    """A 2-node job loses a node, then is warned of its end (USR2) twice with
-    cluster.max_requeues=2: Slurm requeues it after the node failure (reported with the node and
-    what its ranks were doing), the ranks requeue it after the first warning and stop after the
-    second. Submitted again, it resumes and ends with the same weights as an uninterrupted run,
+    """A 2-node job loses a node (every process on it killed; it stays down until started again),
+    then is warned of its end (USR2) twice with cluster.max_requeues=2: Slurm requeues it after the
+    node failure (reported with the node and what its ranks were doing) and it waits for the node,
+    the ranks requeue it after the first warning and stop after the second. Submitted again, it resumes and ends with the same weights as an uninterrupted run,
     each iteration once. Slurm's accounting has every attempt."""
     # Iterations long enough (1-3 s on 2 cores) that each interruption lands mid-run; the three
     # interruptions take 7 of the 14 iterations.
@@ -132,6 +135,7 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
     uninterrupted = concurrent.futures.ThreadPoolExecutor(1).submit(run_cli, reference, *common)
 
     run = tmp_path / "slurm"
+    before = {node: set(staging_on(node)) for node in ("node1", "node2")}      # other runs'
     cmd = [sys.executable, "-m", "dynaresize.launch.cli", f"hydra.run.dir={run}", *common, *TWO_NODES,
            "run.checkpoint_every=1", "cluster.max_requeues=2"]
     out = open(tmp_path / "follow.log", "w+")
@@ -151,8 +155,21 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
 
     wait_for(lambda: newest_checkpoint(run) >= 2, 180, "a checkpoint after iteration 3")
     at_failure = newest_checkpoint(run)
+    # node2 is lost: every process on it (slurmd, step daemons, ranks 2 and 3) killed at once. Slurm
+    # marks such a node DOWN after SlurmdTimeout (30 s here); the test does at once what slurmctld
+    # then does.
+    cluster_node("node2", "lose")
     subprocess.run(["scontrol", "update", "nodename=node2", "state=down", "reason=test: node lost"], check=True)
-    # Slurm requeues the job; the node returns once its slurmd registers again (ReturnToService=2).
+    # Slurm ends the attempt (NODE_FAIL) and requeues the job, which waits: one node is not enough.
+    wait_for(lambda: job_state(job) == "PENDING", 60, "the requeued job to wait for a node")
+    wait_for(lambda: not processes_on("node1"), 60, "the job's processes on node1 to end")
+    lost = set(staging_on("node2")) - before["node2"]
+    assert lost, "the lost ranks' staging is not on node2's disk"
+    checkpoint_at_loss = newest_checkpoint(run)
+    time.sleep(3)
+    assert job_state(job) == "PENDING" and newest_checkpoint(run) == checkpoint_at_loss
+    # The node comes back; it is idle once its slurmd registers (ReturnToService=2), and the job resumes.
+    cluster_node("node2", "start")
     wait_for(lambda: resumed(1), 180, "the resume after the node failure")
     progress_after_resume()
     subprocess.run(["scancel", "--signal=USR2", job], check=True)       # what Slurm sends before the limit
@@ -181,6 +198,25 @@ def test_node_failure_warnings_and_the_requeue_limit_resume_exactly(tmp_path):
     assert "requeueing (restart 2 of at most 2)" in log
     uninterrupted.result()
     assert_same_rl(run, reference, exact=True)
+    for node in before:         # the next attempt removed what the lost one left; its own is gone
+        assert set(staging_on(node)) <= before[node], f"staging left on {node}: {staging_on(node)}"
+
+
+def cluster_node(node: str, action: str) -> None:
+    subprocess.run(["bash", os.path.join(ROOT, "slurm", "testcluster", "node.sh"),
+                    os.environ["DYNARESIZE_TESTCLUSTER_DIR"], node, action], check=True, timeout=180)
+
+
+def processes_on(node: str) -> list[str]:
+    """The processes on a test node other than its slurmd: a job's step daemons and ranks."""
+    pids = subprocess.run(["ip", "netns", "pids", f"drtc-{node}"], capture_output=True, text=True).stdout.split()
+    return [pid for pid in pids if _comm(pid) not in ("slurmd", "")]
+
+
+def staging_on(node: str) -> list[str]:
+    """The job staging directories on a test node's own disk (its /var/tmp)."""
+    scratch = os.path.join(os.environ["DYNARESIZE_TESTCLUSTER_DIR"], "nodes", node, "var-tmp")
+    return [name for name in os.listdir(scratch) if name.startswith("dynaresize-")]
 
 
 def job_state(job) -> str:
@@ -217,6 +253,14 @@ def test_sigterm_to_a_job_under_srun_stops_it_cleanly(tmp_path):
     assert not ranks, f"ranks outlived the job: {ranks}"
     with h5py.File(run / "timeline.h5", "r") as f:           # mended: plain h5py opens it
         assert len(f["iterations"]) >= 1
+
+
+def _comm(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: str) -> bytes:

@@ -316,16 +316,8 @@ record_pidfile slurmctld "$STATE_DIR/run/slurmctld.pid"
 
 # Each node: its own network namespace (address), UTS namespace (hostname) and mount namespace,
 # in which /etc/hosts names the cluster's hosts and /var/tmp is the node's own scratch disk.
-# nsenter rather than `ip netns exec`, which remounts /sys and so hides the cgroup filesystem
-# slurmd initialises at start.
 for ((n = 1; n <= NODES; n++)); do
-    node=node$n
-    nsenter --net="/run/netns/$NETNS_PREFIX$n" unshare --uts --mount --propagation private bash -c "
-        hostname $node
-        mount --bind '$STATE_DIR/hosts' /etc/hosts
-        mount --bind '$STATE_DIR/nodes/$node/var-tmp' /var/tmp
-        exec slurmd -f '$CONF'" || fail "slurmd of $node failed to start"
-    record_pidfile "slurmd-$node" "$STATE_DIR/run/slurmd-$node.pid"
+    bash "$HERE/node.sh" "$STATE_DIR" "node$n" start || fail "slurmd of node$n failed to start"
 done
 
 deadline=$((SECONDS + 60))
