@@ -70,30 +70,34 @@ def run_watching_ranks(cmd: list[str], env: dict[str, str], ranks: int = 0,
     stopped: list[int] = []
     stalled: list[str] = []
 
+    def kill_ranks() -> None:
+        for pid in (watch.pids.values() if watch is not None else ()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
     def kill_job() -> None:
         if proc.poll() is None:
-            for pid in (watch.pids.values() if watch is not None else ()):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+            kill_ranks()
             proc.kill()
+
+    def end_job(signum: int) -> None:
+        """Pass `signum` on (srun to its tasks, mpiexec to its ranks); kill what is left after the grace."""
+        proc.send_signal(signum)
+        timer = threading.Timer(STOP_GRACE_S, kill_job)
+        timer.daemon = True
+        timer.start()
 
     def stop(signum, frame) -> None:
         if not stopped:
             stopped.append(signum)
-            proc.send_signal(signum)
-            timer = threading.Timer(STOP_GRACE_S, kill_job)
-            timer.daemon = True
-            timer.start()
+            end_job(signum)
 
     def on_stall(message: str) -> None:
         stalled.append(message)
-        proc.send_signal(signal.SIGTERM)    # srun passes it to its tasks; mpiexec stops its ranks
-        kill_job()                          # the ranks seen here: a stopped process ignores SIGTERM
-        timer = threading.Timer(STOP_GRACE_S, proc.kill)
-        timer.daemon = True
-        timer.start()
+        kill_ranks()                        # the ranks seen here at once: a stopped process ignores SIGTERM
+        end_job(signal.SIGTERM)
 
     stall_watch = StallWatch(*stall, on_stall=on_stall).start() if stall else None
     in_main = threading.current_thread() is threading.main_thread()
