@@ -213,14 +213,14 @@ def test_kv_capacity_limits_concurrent_sequences():
 
 def test_continuous_steps_are_list_scheduling():
     """continuous_steps against a step-by-step simulation of slots taking waiting sequences."""
-    from dynaresize.plan.costmodel import continuous_steps
+    from dynaresize.plan.costmodel import Placement, continuous_steps
     rng = np.random.default_rng(3)
     for _ in range(200):
         n, spp, ranks = int(rng.integers(1, 30)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
         lens = rng.integers(1, 40, (n, spp))
         assign = rng.integers(0, ranks, n)
         slots = rng.integers(1, 9, ranks)
-        got = continuous_steps(assign, lens, slots, ranks)
+        got = continuous_steps(Placement(assign, ranks), lens, slots)
         for r in range(ranks):
             waiting = lens[assign == r].ravel().tolist()
             running, step = [], 0
@@ -230,6 +230,66 @@ def test_continuous_steps_are_list_scheduling():
                 step += 1
                 running = [x - 1 for x in running if x > 1]
             assert got[r] == step
+
+
+def test_list_schedule_equals_the_heap_loop():
+    """list_schedule (the heap's replaced times taken as the starts) against the plain loop: the
+    next sequence starts at the earliest free time, which becomes that plus its length."""
+    import heapq
+
+    from dynaresize.plan.costmodel import list_schedule
+
+    def reference(lengths, slots):
+        free = lengths[:slots]
+        heapq.heapify(free)
+        starts = [0] * len(free)
+        for length in lengths[slots:]:
+            starts.append(free[0])
+            heapq.heapreplace(free, free[0] + length)
+        return starts, max(free, default=0)
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n, slots = int(rng.integers(0, 200)), int(rng.integers(1, 40))
+        lengths = rng.integers(0 if rng.random() < 0.2 else 1, int(rng.choice([3, 50, 9000])), n).tolist()
+        assert list_schedule(list(lengths), slots) == reference(list(lengths), slots)
+
+
+def test_placed_features_equal_the_plain_sums():
+    """The rank features of a placement (CostModel.placed_features, from GroupWork's per-group
+    sums: whole-number lengths summed down the samples) equal the plain definition, bit for bit,
+    for integer and float lengths, with and without queues."""
+    from dynaresize.plan.costmodel import GroupWork, Placement, continuous_steps
+
+    def reference(cm, assign, prompt_lens, response_lens, ranks):
+        L = np.asarray(response_lens, dtype=np.float64)
+        P = np.asarray(prompt_lens, dtype=np.float64)
+        spp = L.shape[1]
+        tokens = np.bincount(assign, weights=L.sum(axis=1), minlength=ranks)
+        kv = np.bincount(assign, weights=P * L.sum(axis=1) + (L * (L - 1) / 2).sum(axis=1), minlength=ranks)
+        f = {"base": np.ones(ranks), "groups": np.bincount(assign, minlength=ranks).astype(np.float64),
+             "tokens": tokens, "kv": kv, "prompt_tokens": np.bincount(assign, weights=P * spp, minlength=ranks)}
+        if cm.continuous:
+            f["steps"] = continuous_steps(Placement(assign, ranks), L, cm.decode_slots(tokens, kv))
+        else:
+            f["steps"] = np.bincount(assign, weights=L.max(axis=1) if spp else np.zeros(len(assign)),
+                                     minlength=ranks)
+        return f
+
+    rng = np.random.default_rng(11)
+    for cm in (CostModel("h100"), CostModel("cpu_tiny", ModelSpec.from_model_config(ModelConfig()))):
+        for _ in range(60):
+            n, spp, ranks = int(rng.integers(0, 300)), int(rng.integers(0, 17)), int(rng.integers(1, 9))
+            lens = rng.integers(1, int(rng.choice([100, 9000, 200000])), (n, spp))
+            if rng.random() < 0.3:
+                lens = lens * rng.random((n, spp)) * 3      # not whole numbers: summed along the rows
+            prompts = rng.integers(1, 4000, n)
+            assign = rng.integers(0, ranks, n)
+            got = cm.placed_features(Placement(assign, ranks), GroupWork(prompts, lens))
+            want = reference(cm, assign, prompts, lens, ranks)
+            assert got.keys() == want.keys()
+            for key in want:
+                assert np.array_equal(got[key], want[key]), key
 
 
 def test_training_and_communication_scale_with_ranks_and_nodes():

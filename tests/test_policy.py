@@ -319,6 +319,33 @@ def test_a_forecast_is_the_same_batches_until_new_ones_are_seen(growth):
     assert f.forecast(10)[0] == [batches[0]]
 
 
+def test_rollout_prices_on_kept_placements_equal_the_cost_models():
+    # IterationModel keeps each prompt set's placements (and each batch's per-group work): batches
+    # sharing prompts (a forecast's members), rounds of dynamic sampling and prompts seen again
+    # after many others are priced exactly as the cost model prices a fresh placement.
+    from dynaresize.plan import prediction
+    from dynaresize.plan.placement import place_prompts
+    cfg = job()
+    cm = cost(cfg)
+    model = IterationModel(cm, WORLD, 1, SPP)
+    base = batch(3000, seed=1, long_tail=3)
+    rng = np.random.default_rng(2)
+    others = [Lengths(rng.integers(1, 400, PROMPTS), base.response_lens, base.trained)
+              for _ in range(prediction.PLACEMENTS + 1)]
+    grown = [Lengths(base.prompt_lens, np.clip(np.round(base.response_lens * s), 1, 16384).astype(np.int64),
+                     base.trained) for s in (1.0, 1.3, 2.0)]
+    rounds = Lengths(base.prompt_lens, base.response_lens, base.trained, (20, 30, 14))
+    for b in [*grown, *others, *grown, rounds]:
+        for k in (2, 8, 14):
+            R = WORLD - k
+            start = 0.0
+            for part in b.round_slices():
+                p, r = b.prompt_lens[part], b.response_lens[part]
+                want = start + cm.rollout_times(place_prompts(p, R), p, r, R)
+                start = float(want.max())
+            assert np.array_equal(model.price_rollout(b, k), want)
+
+
 @pytest.mark.parametrize("workload, searched", [
     ({}, {0, 7}),                                                         # a trend: its ends
     ({"length_max_schedule": [[0, 8192], [9, 16384]]}, {0, 3, 7}),       # the cap rises at batch 9

@@ -46,26 +46,61 @@ from .hardware import (HardwareProfile, ModelSpec, ProfileError, analytic_coeffi
                        load_profile)
 
 
-def continuous_steps(assign, response_lens, slots, ranks: int) -> np.ndarray:
+class Placement:
+    """Prompt groups on `ranks` ranks (group i on rank assign[i]), sorted by rank once: what every
+    schedule on this placement shares (the dynamic policy prices many batches with the same prompts,
+    hence the same placement, at each split)."""
+
+    def __init__(self, assign, ranks: int):
+        self.assign = np.asarray(assign, dtype=np.int64)
+        self.ranks = ranks
+        self.groups = np.bincount(self.assign, minlength=ranks)
+        self.order = np.argsort(self.assign, kind="stable")     # each rank's groups, in index order
+        self.starts = np.concatenate(([0], np.cumsum(self.groups)))
+        self.held = np.flatnonzero(self.groups)
+
+
+class GroupWork:
+    """The work of each prompt group of a batch (its samples' tokens, the context they attend, its
+    prompt tokens, its longest sample), whatever rank it runs on: computed once per batch, summed
+    per rank for every placement priced (CostModel.placed_features)."""
+
+    def __init__(self, prompt_lens, response_lens):
+        self.response_lens = response_lens
+        L = np.asarray(response_lens)
+        P = np.asarray(prompt_lens, dtype=np.float64)
+        self.samples = L.shape[1] if L.ndim == 2 else 0
+        groups = len(L)
+        if L.ndim == 2 and L.dtype.kind in "iu":
+            # whole numbers, so every sum below is exact in float64 in any order: summed down the
+            # contiguous samples-major copy (4 x faster than along the rows), the same values
+            L, axis = np.ascontiguousarray(L.T, dtype=np.float64), 0
+        else:
+            L, axis = np.asarray(L, dtype=np.float64), 1
+        self.tokens = L.sum(axis=axis)
+        self.kv = P * self.tokens + (L * (L - 1) / 2).sum(axis=axis)
+        self.prompt_tokens = P * self.samples
+        self.longest = L.max(axis=axis) if L.size else np.zeros(groups)
+
+
+def continuous_steps(placed: Placement, response_lens, slots, longest=None) -> np.ndarray:
     """Decode steps of every rank under continuous batching: rank r runs `slots[r]` sequences at
     once, admitting its sequences (group by group in index order) first come first served into the
     slot that frees first (list scheduling). Without a queue a rank takes its longest sequence's
-    steps; a queued rank's first slots[r] sequences start at once and each later one waits for the
-    earliest free slot (a heap of slot free times). The dynamic policy calls this for every split
-    it prices: plain lists in the loop, numpy around it."""
-    assign = np.asarray(assign, dtype=np.int64)
-    L = np.asarray(response_lens, dtype=np.int64)
-    steps = np.zeros(ranks)
-    groups = np.bincount(assign, minlength=ranks)
-    if L.size == 0:
+    steps (`longest`: each group's longest sample, if known); a queued rank's is its list schedule.
+    The dynamic policy calls this for every split it prices: plain lists in the loop, numpy around it."""
+    steps = np.zeros(placed.ranks)
+    if np.size(response_lens) == 0:
         return steps
-    order = np.argsort(assign, kind="stable")     # each rank's groups, in index order, once
-    starts = np.concatenate(([0], np.cumsum(groups)))
-    held = np.flatnonzero(groups)
-    steps[held] = np.maximum.reduceat(L.max(axis=1)[order], starts[held])   # each rank's longest
-    slots = np.asarray(slots, dtype=np.int64)
-    for r in np.flatnonzero(groups * L.shape[1] > slots).tolist():
-        steps[r] = list_schedule(L[order[starts[r]:starts[r + 1]]].ravel().tolist(), int(slots[r]))[1]
+    if longest is None:
+        longest = np.asarray(response_lens).max(axis=1)
+    order, starts, held = placed.order, placed.starts, placed.held
+    steps[held] = np.maximum.reduceat(longest[order], starts[held])   # each rank's longest
+    queued = np.flatnonzero(placed.groups * np.shape(response_lens)[1] > np.asarray(slots, dtype=np.int64))
+    if len(queued):
+        L = np.asarray(response_lens, dtype=np.int64)
+        for r in queued.tolist():
+            steps[r] = list_schedule(L[order[starts[r]:starts[r + 1]]].ravel().tolist(), int(slots[r]))[1]
     return steps
 
 
@@ -75,12 +110,8 @@ def list_schedule(lengths: list[int], slots: int) -> tuple[list[int], int]:
     the step at which the last one ends)."""
     free = lengths[:slots]                        # the slots' free times (a heap)
     heapq.heapify(free)
-    starts = [0] * len(free)
-    replace = heapq.heapreplace
-    for length in lengths[slots:]:
-        starts.append(free[0])
-        replace(free, free[0] + length)
-    return starts, max(free, default=0)
+    replace = heapq.heapreplace                   # returns the time it replaced: the next start
+    return [0] * len(free) + [replace(free, free[0] + length) for length in lengths[slots:]], max(free, default=0)
 
 
 def _first_node_ranks(hosts: Sequence[str]) -> int:
@@ -186,21 +217,21 @@ class CostModel:
         """Work of every rollout rank: prompt group i (prompt_lens[i] tokens; its samples' response
         lengths response_lens[i, :]) runs on rank assign[i]; a rank admits its groups in index
         order. schedule=False leaves out the decode steps (the only part that needs a schedule)."""
-        assign = np.asarray(assign, dtype=np.int64)
-        L = np.asarray(response_lens, dtype=np.float64)
-        P = np.asarray(prompt_lens, dtype=np.float64)
-        spp = L.shape[1] if L.ndim == 2 else 0
-        tokens = np.bincount(assign, weights=L.sum(axis=1), minlength=ranks)
-        kv = np.bincount(assign, weights=P * L.sum(axis=1) + (L * (L - 1) / 2).sum(axis=1), minlength=ranks)
-        f = {"base": np.ones(ranks), "groups": np.bincount(assign, minlength=ranks).astype(np.float64),
-             "tokens": tokens, "kv": kv, "prompt_tokens": np.bincount(assign, weights=P * spp, minlength=ranks)}
+        return self.placed_features(Placement(assign, ranks), GroupWork(prompt_lens, response_lens), schedule)
+
+    def placed_features(self, placed: Placement, work: GroupWork, schedule: bool = True) -> dict[str, np.ndarray]:
+        """rollout_rank_features from the placement and the groups' work (each possibly kept)."""
+        assign, ranks = placed.assign, placed.ranks
+        tokens = np.bincount(assign, weights=work.tokens, minlength=ranks)
+        kv = np.bincount(assign, weights=work.kv, minlength=ranks)
+        f = {"base": np.ones(ranks), "groups": placed.groups.astype(np.float64), "tokens": tokens, "kv": kv,
+             "prompt_tokens": np.bincount(assign, weights=work.prompt_tokens, minlength=ranks)}
         if not schedule:
             return f
         if self.continuous:
-            f["steps"] = continuous_steps(assign, L, self.decode_slots(tokens, kv), ranks)
+            f["steps"] = continuous_steps(placed, work.response_lens, self.decode_slots(tokens, kv), work.longest)
         else:
-            longest = L.max(axis=1) if spp else np.zeros(len(assign))
-            f["steps"] = np.bincount(assign, weights=longest, minlength=ranks)
+            f["steps"] = np.bincount(assign, weights=work.longest, minlength=ranks)
         return f
 
     def decode_slots(self, tokens, kv) -> np.ndarray:

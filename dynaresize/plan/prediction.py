@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .costmodel import CostModel
+from .costmodel import CostModel, GroupWork, Placement
 from .migration import tail_schedule
 from .placement import assign_micro_batches, place_prompts
 from .stealing import claim_schedule, queue_order
@@ -44,6 +44,7 @@ EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
 NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
 TREND_WINDOW = 10     # batches of a task whose mean lengths give its growth trend
 ENSEMBLE = 16         # recent batches of a task a forecast replays (their predictions are averaged)
+PLACEMENTS = 2 * ENSEMBLE     # prompt sets whose placements IterationModel keeps (a forecast's, and more)
 assert ENSEMBLE >= TREND_WINDOW     # the trend is read from the batches a forecast keeps
 _PRIOR_STREAM = 0x70726972    # "prir": the configured workload's sample batch (not a real batch)
 
@@ -121,6 +122,7 @@ class IterationModel:
         # what was priced on each batch, by (quantity, split), while the batch lives: a forecast
         # replays the same recent batches decision after decision, at the same candidate splits
         self._priced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._placements: dict[tuple, dict[int, Placement]] = {}     # placement(): by prompts, by R
         self.pool = None      # a pricing.PricingPool, if rollouts are priced on workers (price_rollouts)
         self._switches: dict[tuple, float] = {}     # switch(...) by its arguments
 
@@ -159,10 +161,25 @@ class IterationModel:
             return tail_schedule(self.cm, *self.rollout_cuts(batch, k), self.migration[1])[0]
         start = 0.0
         for part in batch.round_slices():
-            prompts, responses = batch.prompt_lens[part], batch.response_lens[part]
-            times = start + self.cm.rollout_times(place_prompts(prompts, R), prompts, responses, R)
+            work = self._memo(batch, ("group work", part.start, part.stop),
+                              lambda: GroupWork(batch.prompt_lens[part], batch.response_lens[part]))
+            f = self.cm.placed_features(self.placement(batch.prompt_lens[part], R), work)
+            times = start + self.cm.rollout_from_features(f)
             start = float(times.max())
         return times
+
+    def placement(self, prompt_lens: np.ndarray, R: int) -> Placement:
+        """place_prompts on R rollout ranks, kept by the prompts' lengths: a forecast's members
+        share their batch's prompts (only the responses are grown), and a batch is replayed for
+        ENSEMBLE decisions. The PLACEMENTS most recent prompt sets are kept."""
+        key = (prompt_lens.dtype.str, prompt_lens.shape, prompt_lens.tobytes())
+        by_ranks = self._placements.pop(key, None) or {}
+        self._placements[key] = by_ranks                      # most recent last
+        while len(self._placements) > PLACEMENTS:
+            del self._placements[next(iter(self._placements))]
+        if R not in by_ranks:
+            by_ranks[R] = Placement(place_prompts(prompt_lens, R), R)
+        return by_ranks[R]
 
     @staticmethod
     def _read_only(times: np.ndarray) -> np.ndarray:
