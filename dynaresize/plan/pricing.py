@@ -3,10 +3,11 @@
 A decision of the dynamic policy prices a few hundred rollout schedules at large scale (the
 forecast's batches at the splits its plan weighs: at 1,024 ranks each a continuous-batching
 schedule of tens of thousands of sequences: about 0.5 ms apiece where no rank queues, up to 50 ms
-on the few rollout ranks of a large split), while every rank of the job waits for it. The schedules are independent of each other, so the deciding rank hands those it
-needs next (a forecast's batches at one split, or every rollout of the plan's dynamic program) to
-a pool of worker processes on its node (the cores its task holds besides its own) and waits for
-them together. A worker computes exactly what the policy's process would
+on the few rollout ranks of a large split), while every rank of the job waits for it. The
+schedules are independent of each other, so the deciding rank hands those it needs next (a
+forecast's batches at one split, or every rollout of the plan's dynamic program) to a pool of
+worker processes on its node (the cores its task holds besides its own) and waits for them
+together. A worker computes exactly what the policy's process would
 (IterationModel.price_rollout, the same cost model), so a decision does not depend on the
 number of workers; only its time does.
 
