@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 # Python environment: the CPU build of torch where one is available, the project, MPI, test tools.
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
-.venv/bin/pip install -q torch==2.13.0 -e '.[mpi,test,docs]'
+# One pip at a time writes the project's build files in this tree (the vLLM stage installs it too).
+flock . .venv/bin/pip install -q torch==2.13.0 -e '.[mpi,test,docs]'
 export PATH="$PWD/.venv/bin:$PATH"
 
 # The architecture and the docs: the import layers hold, and the site builds without a warning

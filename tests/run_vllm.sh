@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM stage: a separate environment (.venv-vllm) with a real vLLM CPU build, and the tests
 # marked vllm (the engine contract suite on vLLM, a 3-rank run with rollout=vllm).
-# Usage: bash tests/run_vllm.sh [pytest args]      (CI runs it after tests/run.sh)
-#        bash tests/run_vllm.sh --install-only     (CI installs the dependencies while tests/run.sh runs)
+# Usage: bash tests/run_vllm.sh [pytest args]      (CI runs it beside tests/run.sh: .ci/run)
+#        bash tests/run_vllm.sh --install-only     (the environment only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,10 +25,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "${REQUIREMENTS[*]}" ]; then
     "$VENV/bin/pip" uninstall -q -y "${BROKEN[@]}"
     echo "${REQUIREMENTS[*]}" > "$STAMP"
 fi
-# The project itself last: --install-only runs beside tests/run.sh, which installs it into .venv
-# from the same source tree.
 if [ "${1:-}" = --install-only ]; then exit 0; fi
-"$VENV/bin/pip" install -q --no-deps -e .
+# The project itself, one pip at a time: tests/run.sh may be installing it into .venv from this
+# tree (CI runs both at once), and both write its build files here (flock on the tree's folder).
+flock . "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import vllm, dynaresize.runtime.rollout.vllm_engine; print('vllm', vllm.__version__)"
 
 export PATH="$PWD/$VENV/bin:$PATH"

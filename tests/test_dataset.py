@@ -108,7 +108,8 @@ def picky(prompt, response, answer, extra):
 def test_reward_errors_name_the_sample_and_follow_the_policy(user_files, tmp_path):
     (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    args = (*user_args(user_files), "reward._target_=my_rewards.picky", "run.iterations=1", "run.save_model=false")
+    args = (*user_args(user_files), "reward._target_=my_rewards.picky", "run.iterations=1", "run.save_model=false",
+            "cluster.ranks=2", "policy.train_ranks=1")
     proc = run_cli(tmp_path / "fail", *args, check=False, env=env)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
@@ -166,7 +167,8 @@ def test_bad_rows_are_refused_or_skipped_before_any_rank_starts(user_files, tmp_
                         {**bad, "answer": None}] + good[10:]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + json.dumps({**bad, "question": float("nan")}) + "\n")
-    args = (*COMMON, f"model.path={model}", f"data.train_files=[{path}]", "run.iterations=1")
+    args = (*COMMON, f"model.path={model}", f"data.train_files=[{path}]", "run.iterations=1", "cluster.ranks=2",
+            "policy.train_ranks=1")
     proc = run_cli(tmp_path / "refused", *args, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     for row, why in ((10, "'question' is None, not text"), (11, "'question' is 17, not text"),

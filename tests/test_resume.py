@@ -13,7 +13,8 @@ import sys
 import pytest
 from conftest import ROOT, _env, run_cli
 
-COMMON = ("run.iterations=3", "run.checkpoint_every=1", "run.report=false", "run.save_model=false")
+COMMON = ("run.iterations=3", "run.checkpoint_every=1", "run.report=false", "run.save_model=false",
+          "cluster.ranks=2", "policy.train_ranks=1")
 
 
 def mode(path) -> int:
@@ -57,15 +58,15 @@ def resume(run_dir, *overrides, check=True) -> subprocess.CompletedProcess:
 @pytest.mark.fault("a finished run launched again",
                    "it says the run is complete (exit 0) and computes nothing; with more iterations it continues "
                    "exactly")
-def test_a_finished_run_says_so_and_continues_exactly_with_more_iterations(tmp_path):
+def test_a_finished_run_says_so_and_continues_exactly_with_more_iterations(static_run, tmp_path):
     """Checkpoints are on by default and one follows the last iteration: launched again, a
     finished run says it is complete (exit 0, nothing written); `run.resume` with a larger
     run.iterations continues it from the configuration it ran with, to the samples and weights of
-    one run that long."""
+    one run that long (the static 2T/2R run of 8 iterations)."""
     import h5py
     from safetensors.torch import load_file
 
-    short, whole = tmp_path / "short", tmp_path / "whole"
+    short, whole = tmp_path / "short", static_run[0]
     run_cli(short, "run.iterations=3", "policy.train_ranks=2")
     assert sorted(p.name for p in (short / "checkpoints").iterdir()) == ["iter-000002"]
     timeline = (short / "timeline.h5").read_bytes()
@@ -75,9 +76,9 @@ def test_a_finished_run_says_so_and_continues_exactly_with_more_iterations(tmp_p
     assert "starting" not in again.stdout and (short / "timeline.h5").read_bytes() == timeline
     assert "nothing to do" in resume(short).stdout                          # its own config: 3
 
-    proc = resume(short, "run.iterations=5")
+    proc = resume(short, "run.iterations=8")
     assert "resumed from" in proc.stdout and "iterations 0-2 done" in proc.stdout, proc.stdout
-    assert "iter   3 (4/5)" in proc.stdout and "5 iterations and the pipeline's drain" in proc.stdout
+    assert "iter   3 (4/8)" in proc.stdout and "8 iterations and the pipeline's drain" in proc.stdout
     # The resumed attempt's clock goes on from the first's: times rise across attempts, and the
     # gap (here the seconds between the two commands) is counted as lost, and said so.
     from dynaresize import analysis
@@ -89,14 +90,13 @@ def test_a_finished_run_says_so_and_continues_exactly_with_more_iterations(tmp_p
     assert float(tries["start_s"].iloc[0]) < float(its.loc[its["iteration"] == 3, "start"].iloc[0])
     assert "resumed 1 time: " in proc.stdout and "attempt 2 resumed after iteration 2" in proc.stdout, proc.stdout
     assert [t.get_text() for t in analysis.gantt(tl).axes[0].texts] == ["attempt 2"]
-    run_cli(whole, "run.iterations=5", "policy.train_ranks=2")
     digests = []
     for run in (short, whole):
         with h5py.File(run / "timeline.h5", "r") as f:
             s = f["samples"][...]
             digests.append(sorted(zip(s["batch"].tolist(), s["index"].tolist(), s["digest"].tolist())))
-            assert sorted(set(f["iterations"]["iteration"].tolist())) == list(range(6))
-    assert digests[0] == digests[1] and len(digests[0]) == 5 * 32
+            assert sorted(set(f["iterations"]["iteration"].tolist())) == list(range(9))
+    assert digests[0] == digests[1] and len(digests[0]) == 8 * 32
     a = load_file(short / "final_model" / "model.safetensors")
     b = load_file(whole / "final_model" / "model.safetensors")
     assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)

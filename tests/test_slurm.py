@@ -58,13 +58,12 @@ TWO_NODES = ["cluster=slurm", "cluster.nodes=2", "cluster.gpus_per_node=2",
              "cluster.local_scratch=/var/tmp"]
 
 
-def test_two_node_resizes_move_training_state_over_the_network_exactly(tmp_path):
+def test_two_node_resizes_move_training_state_over_the_network_exactly(static_run, tmp_path):
     """4 ranks on 2 nodes, resized so that training state crosses nodes: the network transport
-    reshards it, and the weights equal a one-node static run's bit for bit."""
-    reference = tmp_path / "reference"
-    run_cli(reference, "run.iterations=4")
+    reshards it, and the weights equal a one-node static run's bit for bit (the static 2T/2R run
+    of 8 iterations)."""
     run = tmp_path / "slurm"
-    proc = run_cli(run, *TWO_NODES, "policy=scripted", "policy.schedule=[1,3,2,1]", "run.iterations=4", timeout=300)
+    proc = run_cli(run, *TWO_NODES, "policy=scripted", "policy.schedule=[1,3,2,1]", "run.iterations=8", timeout=300)
     job = re.search(r"submitted Slurm job (\d+): 2 node\(s\) x 2 rank\(s\)", proc.stdout).group(1)
     (tl, attrs) = timeline(run)
     assert json.loads(attrs["hostnames"]) == ["node1", "node1", "node2", "node2"] and bool(attrs["complete"])
@@ -80,7 +79,7 @@ def test_two_node_resizes_move_training_state_over_the_network_exactly(tmp_path)
     assert "stage_out" in names             # 2->1 keeps training state on node1: the file transport
     fig = analysis.gantt(analysis.load_timeline(run), tmp_path / "gantt.png")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["0 node1", "1 node1", "2 node2", "3 node2"]
-    assert_same_rl(run, reference, exact=True)
+    assert_same_rl(run, static_run[0], exact=True)
     # The ranks' result is in before the job has ended: wait for Slurm's accounting to close it.
     wait_for(lambda: sacct_states(job) == ["COMPLETED"], 60, f"sacct to report job {job} COMPLETED")
     tres = subprocess.run(["sacct", "-j", job, "--allocations", "--noheader", "--parsable2", "-o", "AllocTRES"],

@@ -94,7 +94,8 @@ def test_killed_launcher_takes_its_job_and_staging_with_it(tmp_path):
     unrelated = job_staging_dir(str(scratch), "fedcba9876543210")
     os.makedirs(unrelated)
 
-    resumed_from = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").iterdir())
+    # the newest complete checkpoint (a kill mid-write leaves .tmp-iter-*, which resume ignores)
+    resumed_from = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("iter-*"))
     again = subprocess.run([sys.executable, "-m", "dynaresize.launch.cli", f"hydra.run.dir={run_dir}", *COMMON[:-1],
                             f"run.iterations={resumed_from + 2}", f"cluster.local_scratch={scratch}"],
                            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=240)
