@@ -7,7 +7,8 @@ train-bound split (1 train rank), where the rollout ranks steal micro-batches in
 dynamic must reach 0.99 x the emulated best static split.
 
 CI runs it at 4 ranks, 4 iterations, a quarter of the time scale and the mixture workload only
-(about 2 minutes; the emulated times stay within 1.5 % of the simulated ones); DYNARESIZE_EMULATION_RANKS=8 runs dynaresize/conf/experiment/emulated8.yaml as written on both
+(about 2 minutes; the emulated times stay within 1.5 % of the simulated ones);
+DYNARESIZE_EMULATION_RANKS=8 runs dynaresize/conf/experiment/emulated8.yaml as written on both
 workloads (docs/results/emulation.md)."""
 from __future__ import annotations
 
