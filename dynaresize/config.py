@@ -140,6 +140,12 @@ class TrainerConfig:
     # Gradients are summed across micro-batches and ranks in float64, so the sum (and thus the
     # weights) does not depend on how many train ranks there are, up to the final rounding.
     grad_reduce_dtype: str = "float64"
+    # What a train rank holds (plan/memory.py): optimizer (the runtime's trainer: every train rank
+    # holds the whole model, AdamW state sharded) | full (FSDP2: parameters, gradients and optimizer
+    # state sharded; priced by dynaresize-sim only, until the runtime's trainer shards them)
+    sharding: str = "optimizer"
+    activation_checkpointing: bool = False   # keep each decoder layer's input only; recompute the rest in backward
+    logit_chunk_tokens: int = 0    # compute the output head's logits this many tokens at a time; 0: all at once
     # Recompute the old (behaviour) log-probabilities with the trainer's weights before the update,
     # as verl's old_log_prob pass does, instead of taking the rollout engine's.
     recompute_logprobs: bool = False

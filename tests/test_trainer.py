@@ -154,3 +154,27 @@ def test_training_metrics_of_a_step(checkpoint):
 def off_advantage(samples, s) -> float:
     from dynaresize.runtime.trainer import group_advantages
     return group_advantages(samples)[s.index]
+
+
+@pytest.mark.parametrize("settings", [{"logit_chunk_tokens": 7}, {"activation_checkpointing": True},
+                                      {"logit_chunk_tokens": 16, "activation_checkpointing": True}])
+def test_memory_settings_compute_the_same_step(checkpoint, settings):
+    """Chunked logits and activation checkpointing (plan/memory.py's settings) change what a train
+    rank holds at once, not what it computes: the same gradient, loss and metrics up to rounding
+    (float32 sums in another order), and the setting is on (checkpointing recomputes each layer)."""
+    samples = make_samples()
+    plain = trainer(checkpoint, kl_coef=0.1)
+    grad, info = plain.compute_gradient(samples)
+    other = trainer(checkpoint, kl_coef=0.1, **settings)
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in other.model.modules())
+    assert checkpointed == settings.get("activation_checkpointing", False)
+    grad2, info2 = other.compute_gradient(samples)
+    assert rel_diff(grad2, grad) < 1e-5
+    for key, value in info["sums"].items():
+        assert info2["sums"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # A chunk that does not divide the tokens, and one larger than the batch, give the same log-probs.
+    ids = torch.tensor([s.prompt_tokens + s.response[:2] for s in samples[:4]])
+    whole = plain._token_logprobs(plain.model, ids, torch.ones_like(ids))
+    for chunk in (5, 1000):
+        other.cfg.logit_chunk_tokens = chunk
+        assert torch.allclose(other._token_logprobs(other.model, ids, torch.ones_like(ids)), whole, atol=1e-5)

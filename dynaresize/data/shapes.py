@@ -97,6 +97,12 @@ def prompt_extra_tokens(task: str) -> int:
     return 3 if task == "add" else 2
 
 
+def longest_sequence(w) -> int:
+    """The longest prompt plus response a built-in task's batch may hold (a dataset's prompts are
+    measured by data.check_dataset; here its instruction context counts, as workload.prompt_max)."""
+    return w.prompt_max + w.digits_max + prompt_extra_tokens(w.task) + max_response_cap(w)
+
+
 @dataclass(frozen=True)
 class BatchShape:
     digits: np.ndarray          # (prompts,) digits of each prompt's question

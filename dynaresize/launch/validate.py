@@ -13,9 +13,10 @@ import os
 from omegaconf import DictConfig
 
 from ..config import ConfigError, JobConfig, parse_config
+from ..plan.memory import SHARDINGS, TrainSettings, describe, min_train_ranks, remedies, train_bytes
 from ..plan.policy import POLICIES
 from ..runtime.rollout.base import ENGINES
-from ..data.shapes import max_response_cap, prompt_extra_tokens
+from ..data.shapes import longest_sequence, prompt_extra_tokens
 
 
 def load_config(raw: DictConfig | dict) -> JobConfig:
@@ -66,7 +67,7 @@ def validate(cfg: JobConfig) -> None:
              "launcher=local runs the ranks here", "use cluster.device=cpu, or run where a GPU is visible")
 
     try:
-        longest = w.prompt_max + w.digits_max + prompt_extra_tokens(w.task) + max_response_cap(w)
+        longest = longest_sequence(w)
     except (TypeError, ValueError):      # a malformed length_max_schedule, reported below
         longest = 0
     if w.task == "dataset":
@@ -210,6 +211,12 @@ def validate(cfg: JobConfig) -> None:
          "use 0 (none) or a positive value, e.g. 0.01")
     need(t.grad_clip >= 0, "trainer.grad_clip", f"is {t.grad_clip}; it is the largest gradient norm kept",
          "use a positive norm, e.g. 1.0, or 0 to turn clipping off")
+    need(t.sharding in SHARDINGS, "trainer.sharding", f"unknown {t.sharding!r}", f"use one of {', '.join(SHARDINGS)}")
+    need(t.sharding != "full" or run.mode != "real", "trainer.sharding",
+         "is full, which dynaresize-sim and emulation price but the runtime's trainer does not implement yet "
+         "(it holds the whole model on every train rank)", "use trainer.sharding=optimizer for real runs")
+    need(t.logit_chunk_tokens >= 0, "trainer.logit_chunk_tokens", f"is {t.logit_chunk_tokens}",
+         "use 0 (all logits at once) or a number of tokens, e.g. 2048")
 
     kind = POLICIES.get(p.name)
     runnable = [k.name for k in POLICIES.values() if not k.simulator_only]
@@ -305,8 +312,40 @@ def validate(cfg: JobConfig) -> None:
     need(log.generations_every >= 0, "log.generations_every", f"is {log.generations_every}", "use 0 (never) or more")
     need(log.generations >= 1, "log.generations", f"is {log.generations}", "use 1 or more")
 
+    if not errors and cfg.hardware is not None:      # the sizes it needs are valid now
+        check_train_memory(cfg, need)
     if errors:
         raise ConfigError("invalid configuration:\n" + "\n".join(errors))
+
+
+def check_train_memory(cfg: JobConfig, need) -> None:
+    """Refuse splits whose train ranks cannot hold their share of the model (plan/memory.py), with
+    the fewest train ranks that fit, or, if none do, the settings that would help."""
+    from ..plan.hardware import HardwareProfile, ModelSpec
+    profile = HardwareProfile.from_dict(cfg.hardware)
+    if not profile.gpu_memory_bytes > 0:
+        return
+    model = profile.model or ModelSpec.from_model_config(cfg.model)
+    settings = TrainSettings.for_job(cfg, model)
+    c, p = cfg.cluster, cfg.policy
+    unit = max(p.resize_unit, 1)
+    kind = POLICIES[p.name]
+    most = c.ranks if kind.colocated else c.ranks - unit
+    fewest = min_train_ranks(profile, model, settings, most, unit)
+    gb = profile.gpu_memory_bytes / 1e9
+    if fewest is None:
+        need(False, "trainer", f"no split fits: even {most} train ranks of {model.name} would each need "
+             f"{train_bytes(profile, model, settings, most) / 1e9:.1f} GB of the {gb:.0f} GB GPU "
+             f"({describe(model, settings, most, profile.train_reserved_bytes)})", "; ".join(remedies(settings)))
+        return
+    asked = [("cluster.ranks", c.ranks)] if kind.colocated else \
+        ([("policy.train_ranks", p.train_ranks)] if isinstance(p.train_ranks, int) else []) + \
+        [(f"policy.schedule[{it}]", k) for it, k in enumerate(p.schedule)]
+    for fld, k in asked:
+        need(k >= fewest, fld, f"{k} train ranks of {model.name} would each need "
+             f"{train_bytes(profile, model, settings, k) / 1e9:.1f} GB of the {gb:.0f} GB GPU "
+             f"({describe(model, settings, k, profile.train_reserved_bytes)})",
+             f"use at least {fewest} train ranks (the fewest that fit), or: " + "; ".join(remedies(settings)))
 
 
 # What a model folder must hold for the engines and the cost model (model.path).

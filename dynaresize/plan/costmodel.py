@@ -18,7 +18,8 @@ rollout (one rank)   base + per_group x groups + per_step x decode steps + per_t
                      are the sum over groups of each group's longest sample.
 train (one rank)     compute: per_micro_batch x micro-batches + per_token x tokens (forward+backward)
                      + per_logprob_token x tokens per forward-only pass the trainer runs (the
-                     old-log-prob recompute, the reference model),
+                     old-log-prob recompute, the reference model); per_token x RECOMPUTE_FACTOR
+                     with activation checkpointing (the forward runs again in backward),
                      then the group's synchronisation: base + per_inverse_rank / k (the optimizer step
                      on a 1/k shard) + latency x log2 steps + per_byte x bytes of the gradient
                      all-reduce and the parameter all-gather.
@@ -44,6 +45,12 @@ import numpy as np
 
 from .hardware import (HardwareProfile, ModelSpec, ProfileError, analytic_coefficients, kv_capacity_tokens,
                        load_profile)
+from .memory import TrainSettings, train_fits
+
+# Activation checkpointing runs each layer's forward again in backward: forward 2P + backward 4P
+# FLOPs a token become 8P (Korthikanti et al., "Reducing Activation Recomputation in Large
+# Transformer Models", arXiv:2205.05198: full recomputation costs one extra forward, ~33 %).
+RECOMPUTE_FACTOR = 8.0 / 6.0
 
 
 class Placement:
@@ -135,7 +142,7 @@ class CostModel:
     def __init__(self, profile: HardwareProfile | str, model: ModelSpec | None = None, *,
                  samples_per_prompt: int = 4, micro_batch_size: int = 4, grad_reduce_bytes: int = 8,
                  reference_model: bool = False, recompute_logprobs: bool = False,
-                 hosts: Sequence[str] | None = None):
+                 hosts: Sequence[str] | None = None, train_settings: TrainSettings | None = None):
         self.profile = load_profile(profile)
         self.model = self.profile.model or model
         if self.model is None:
@@ -146,6 +153,11 @@ class CostModel:
         self.grad_reduce_bytes = grad_reduce_bytes
         # forward-only passes the trainer runs before the update: reference model, old-log-prob recompute
         self.logprob_passes = int(reference_model) + int(recompute_logprobs)
+        # what a train rank holds (plan/memory.py): which splits fit (None: every split), and the
+        # recompute of activation checkpointing
+        self.train_settings = train_settings
+        checkpointing = train_settings is not None and train_settings.activation_checkpointing
+        self.update_factor = RECOMPUTE_FACTOR if checkpointing else 1.0
         # The node of each rank: a running job's own (`hosts`), else the profile's layout. Train
         # groups are prefixes of the ranks, so what prices them is how many ranks share rank 0's node.
         self.hosts = list(hosts) if hosts is not None else None
@@ -169,7 +181,11 @@ class CostModel:
                    micro_batch_size=cfg.trainer.micro_batch_size,
                    grad_reduce_bytes=8 if cfg.trainer.grad_reduce_dtype == "float64" else 4,
                    reference_model=cfg.trainer.kl_coef > 0, recompute_logprobs=cfg.trainer.recompute_logprobs,
-                   hosts=hosts)
+                   hosts=hosts, train_settings=TrainSettings.for_job(cfg, model))
+
+    def train_fits(self, train_ranks: int) -> bool:
+        """Whether each of `train_ranks` train ranks can hold its share (plan/memory.py)."""
+        return self.train_settings is None or train_fits(self.profile, self.model, self.train_settings, train_ranks)
 
     # --- sizes the runtime moves ----------------------------------------------------------------
     @property
@@ -393,7 +409,7 @@ class CostModel:
         """Forward-only log-prob passes (when the trainer runs them) and forward and backward of the
         update, of one train rank over `tokens` in `micro_batches`."""
         c = self.coef.train
-        per_token = c.per_token_s + self.logprob_passes * c.per_logprob_token_s
+        per_token = c.per_token_s * self.update_factor + self.logprob_passes * c.per_logprob_token_s
         return (c.per_micro_batch_s * np.asarray(micro_batches, dtype=np.float64)
                 + per_token * np.asarray(tokens, dtype=np.float64)) * self.scale
 
@@ -401,7 +417,8 @@ class CostModel:
         """Seconds of each pass over `tokens` on one rank: log-prob (one forward-only pass, e.g. the
         old-log-prob recompute or the reference model) and update (forward + backward)."""
         c = self.coef.train
-        return {"logprob": c.per_logprob_token_s * tokens * self.scale, "update": c.per_token_s * tokens * self.scale}
+        return {"logprob": c.per_logprob_token_s * tokens * self.scale,
+                "update": c.per_token_s * self.update_factor * tokens * self.scale}
 
     def train_sync_parts(self, train_ranks: int) -> tuple[float, float, float]:
         """(before the optimizer step: base + gradient all-reduce; the optimizer step on a 1/k shard;

@@ -43,6 +43,8 @@ class ModelSpec:
     kv_heads: int = 1
     head_dim: int = 1
     weight_bytes: float = 2.0      # bytes per parameter in the inference engine (bf16: 2, float32: 4)
+    vocab: int = 0                 # vocabulary size (the output head's logits; 0: unknown)
+    intermediate: int = 0          # MLP width (the train memory's activations)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -75,13 +77,15 @@ class ModelSpec:
                                 head_dim=int(c.get("head_dim") or hidden // heads))
             return cls(name=os.path.basename(os.path.normpath(m.path)), params=spec, layers=int(c["num_hidden_layers"]),
                        hidden=hidden, heads=heads, kv_heads=int(c.get("num_key_value_heads", heads)),
-                       head_dim=int(c.get("head_dim") or hidden // heads), weight_bytes=dtype_bytes)
+                       head_dim=int(c.get("head_dim") or hidden // heads), weight_bytes=dtype_bytes,
+                       vocab=int(c["vocab_size"]), intermediate=int(c["intermediate_size"]))
         head_dim = m.hidden_size // max(m.num_heads, 1)
         params = qwen2_params(vocab=VOCAB_SIZE, hidden=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
                               kv_heads=m.num_kv_heads, intermediate=m.intermediate_size, tied=False,
                               head_dim=head_dim)
         return cls(name="tiny", params=float(params), layers=m.num_layers, hidden=m.hidden_size, heads=m.num_heads,
-                   kv_heads=m.num_kv_heads, head_dim=head_dim, weight_bytes=dtype_bytes)
+                   kv_heads=m.num_kv_heads, head_dim=head_dim, weight_bytes=dtype_bytes, vocab=VOCAB_SIZE,
+                   intermediate=m.intermediate_size)
 
 
 def qwen2_params(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
@@ -218,6 +222,7 @@ class HardwareProfile:
     gpu_memory_bytes: float = 0.0
     gpu_memory_utilization: float = 0.9
     engine_reserved_bytes: float = 0.0   # activations, CUDA graphs, sampler buffers of the engine
+    train_reserved_bytes: float = 0.0    # a train rank's memory besides model state and activations (plan/memory.py)
     rollout_base_s: float = 0.0
     train_base_s: float = 0.0
     optimizer_bytes_per_param: float = 28.0   # AdamW in float32: read p, g, m, v; write p, m, v
@@ -287,9 +292,11 @@ class HardwareProfile:
             errors.append(f"hardware.max_num_seqs: is {self.max_num_seqs}. Fix: use 1 or more")
         if self.kind == "analytic" and not self.mfu_logprob > 0:
             errors.append(f"hardware.mfu_logprob: is {self.mfu_logprob}. Fix: give a positive efficiency")
-        if self.gpu_memory_bytes < 0 or not 0 < self.gpu_memory_utilization <= 1 or self.engine_reserved_bytes < 0:
-            errors.append("hardware.gpu_memory_bytes / gpu_memory_utilization / engine_reserved_bytes: need memory "
-                          ">= 0 (0: unlimited KV cache), 0 < utilization <= 1, reserved >= 0. Fix: correct them")
+        if (self.gpu_memory_bytes < 0 or not 0 < self.gpu_memory_utilization <= 1 or self.engine_reserved_bytes < 0
+                or self.train_reserved_bytes < 0):
+            errors.append("hardware.gpu_memory_bytes / gpu_memory_utilization / engine_reserved_bytes / "
+                          "train_reserved_bytes: need memory >= 0 (0: unlimited), 0 < utilization <= 1, "
+                          "reserved >= 0. Fix: correct them")
         if self.gpus_per_node < 0:
             errors.append(f"hardware.gpus_per_node: is {self.gpus_per_node}. Fix: use 0 (one node) or more")
         if not self.time_scale > 0:

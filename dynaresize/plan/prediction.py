@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .costmodel import CostModel, GroupWork, Placement
+from .hardware import ProfileError
 from .migration import tail_schedule
 from .placement import assign_micro_batches, place_prompts
 from .stealing import claim_schedule, queue_order
@@ -114,7 +115,11 @@ class IterationModel:
         self.migration = migration          # tail migration: (rollout.migration_threshold, rollout.tail_ranks)
         self.engine_times = cm.helper_engine_times(release_mode)   # a helper's engine: (sleep, wake)
         unit = max(resize_unit, 1)
-        self.candidates = list(range(unit, world - unit + 1, unit))
+        # the splits whose train ranks can hold their share of the model (plan/memory.py)
+        self.candidates = [k for k in range(unit, world - unit + 1, unit) if cm.train_fits(k)]
+        if not self.candidates:
+            raise ProfileError(f"no split of {world} ranks fits the train side of {cm.model.name} in "
+                               f"hardware.gpu_memory_bytes. Fix: see the settings dynaresize's validation names")
         # The train group's collectives leave the node above gpus_per_node ranks: train time jumps
         # there, so the split just below is a candidate of every search.
         inside = [k for k in self.candidates if k <= cm.gpus_per_node]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from ..config import TrainerConfig
 from .flat import FlatLayout, bind_model_to_flat
@@ -98,6 +99,11 @@ class ShardedTrainer:
         self.flat = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
         bind_model_to_flat(model, self.layout, self.flat)
         self.reduce_dtype = REDUCE_DTYPES[cfg.grad_reduce_dtype]
+        if cfg.activation_checkpointing:     # each decoder layer keeps its input; backward recomputes the rest
+            if hasattr(model, "activation_checkpointing_enable"):      # its name from transformers 5 on
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model = None
         if cfg.kl_coef > 0:
             import copy
@@ -316,10 +322,29 @@ class ShardedTrainer:
 
     def _token_logprobs(self, model, ids, attention, entropy: bool = False):
         """Log-probabilities of each next token under `model` (at the sampling temperature); with
-        `entropy`, also the entropy of each next-token distribution (not differentiated)."""
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-        logp = torch.log_softmax(logits / self.temperature, -1)
-        taken = torch.gather(logp, 2, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        `entropy`, also the entropy of each next-token distribution (not differentiated).
+
+        With `trainer.logit_chunk_tokens`, the output head runs that many tokens at a time, each
+        chunk under activation checkpointing, so that only one chunk's logits (vocabulary-wide,
+        in float32) exist at once, forward or backward (a Qwen2/Llama head: logits = lm_head(h))."""
+        chunk, targets = self.cfg.logit_chunk_tokens, ids[:, 1:]
+        if chunk <= 0:
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+            return self._head_logprobs(logits, targets, entropy)
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1]
+        flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        head = model.get_output_embeddings()
+        parts = [checkpoint(lambda h, t: self._head_logprobs(head(h), t, entropy), flat_h[i:i + chunk],
+                            flat_t[i:i + chunk], use_reentrant=False) for i in range(0, len(flat_t), chunk)]
+        if not entropy:
+            return torch.cat(parts).view(targets.shape)
+        return (torch.cat([t for t, _ in parts]).view(targets.shape),
+                torch.cat([e for _, e in parts]).view(targets.shape))
+
+    def _head_logprobs(self, logits, targets, entropy: bool):
+        """Log-probabilities of `targets` under `logits` (and, with `entropy`, the entropies)."""
+        logp = torch.log_softmax(logits.float() / self.temperature, -1)
+        taken = torch.gather(logp, -1, targets.unsqueeze(-1)).squeeze(-1)
         if not entropy:
             return taken
         with torch.no_grad():

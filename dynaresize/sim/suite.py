@@ -48,11 +48,29 @@ PROGRESS_EVERY_S = 60.0     # a cell's progress line this often (a 1,024-rank ce
 
 # --- the runs ----------------------------------------------------------------------------------
 
+def min_train_ranks(base: dict) -> int:
+    """The fewest train ranks whose train side fits the GPU (plan/memory.py) in a cell's config."""
+    from ..plan import memory
+    from ..plan.hardware import ModelSpec
+    from .config import prepare
+    spec = copy.deepcopy(base)
+    spec["policy"].update(name="dynamic", train_ranks="auto")
+    spec["sim"]["train_units"] = 0
+    setup = prepare(spec)              # refuses a cell where no split fits, naming what would help
+    cfg = setup.cfg
+    model = setup.profile.model or ModelSpec.from_model_config(cfg.model)
+    unit = cfg.policy.resize_unit
+    return memory.min_train_ranks(setup.profile, model, memory.TrainSettings.for_job(cfg, model), cfg.cluster.ranks - unit, unit)
+
+
 def run_specs(base: dict) -> dict[str, dict]:
-    """The composed config of every run of one workload (name -> plain config dict)."""
+    """The composed config of every run of one workload (name -> plain config dict): the static
+    splits whose train side fits (the others would be refused), and every other row."""
     units = int(base["sim"]["units"])
+    unit = int(base["cluster"]["ranks"]) // units
+    fewest = min_train_ranks(base)
     specs = {}
-    for u in range(1, units):
+    for u in range(-(-fewest // unit), units):
         spec = copy.deepcopy(base)
         spec["policy"]["name"] = "static"
         spec["sim"]["train_units"] = u
@@ -301,7 +319,7 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                         f"(expected lengths) {r['oracle']:.3f} (true)  "
                         f"bound {r['bound']:.3f}  x hindsight static  ({time.perf_counter() - t0:.0f} s, "
                         f"{time.perf_counter() - started:.0f} s in all)")
-                    summary.append({"hardware": hw, "ranks": n, "workload": w,
+                    summary.append({"hardware": hw, "ranks": n, "workload": w, "min_train": min_train_ranks(base),
                                     **{row: float(r[row]) for row in ROWS}, **acceptance(r, metrics["dynamic"])})
                     result = write_summary(out, summary)   # after every cell: a stopped suite keeps its cells
                     details.append((title, df))
@@ -344,14 +362,15 @@ def write_suite_page(path: str, command: list[str], summary: list[dict], details
             "row; what the rows and columns are: [the comparison suite](suite.md).", ""]
     for hw, n in dict.fromkeys((c["hardware"], c["ranks"]) for c in summary):
         body += [f"## {hw.upper()}, {n:,} ranks", "",
-                 "| workload | " + " | ".join(t for _, t in PAGE_COLUMNS) + " | dynamic / expected | dynamic / oracle "
+                 "| workload | min train ranks | " + " | ".join(t for _, t in PAGE_COLUMNS)
+                 + " | dynamic / expected | dynamic / oracle "
                  "| + stealing / oracle | oracle's gain captured | reversals | prediction error | decisions |",
-                 "|" + "---|" * (len(PAGE_COLUMNS) + 8)]
+                 "|" + "---|" * (len(PAGE_COLUMNS) + 9)]
         for c in (c for c in summary if (c["hardware"], c["ranks"]) == (hw, n)):
             share, decide = c["decide_share"], c["decide_s"]
             decisions = "-" if math.isnan(decide) else \
                 f"{decide:.2f} s, {'<0.1%' if share < 0.001 else f'{share:.1%}'}"
-            body.append(f"| `{c['workload']}` | " + " | ".join(f"{c[row]:.3f}" for row, _ in PAGE_COLUMNS)
+            body.append(f"| `{c['workload']}` | {c.get('min_train', '-')} | " + " | ".join(f"{c[row]:.3f}" for row, _ in PAGE_COLUMNS)
                         + f" | {c['dynamic_vs_expected']:.3f} | {c['dynamic_vs_oracle']:.3f} "
                         f"| {c['dynamic + stealing'] / c['oracle']:.3f} "
                         f"| {pct(c['captured'])}, {pct(c['captured_stealing'])} | {c['turns']} "
