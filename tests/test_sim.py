@@ -168,7 +168,8 @@ def test_switch_plan_critical_and_background(tmp_path):
     assert schema.decode_attrs(events(data, "release", 2)["attrs"][0]) == {"mode": "sleep"}
     # a rank back in rollout wakes the engine it parked when it joined training (resize.switch)
     attrs, back = read(run(tmp_path, "p", "policy=scripted", "policy.schedule=[3,1,3,1]", "run.iterations=4",
-                           "+hardware=h100", "rollout.prompts_per_batch=8"))
+                           "+hardware=h100", "rollout.prompts_per_batch=8", "trainer.sharding=full",
+                           "hardware.gpu_memory_bytes=2e11"))   # one train rank holds the 7B model's shards
     cold, warm = events(back, "engine_start", 1), events(back, "engine_start", 3)
     assert [schema.decode_attrs(a)["restored"] for a in cold["attrs"]] == [False, False]
     assert [schema.decode_attrs(a)["restored"] for a in warm["attrs"]] == [True, True]
@@ -272,8 +273,8 @@ def test_the_expected_oracle_never_reads_the_lengths_it_is_about_to_generate(tmp
 
 def test_jobconfig_api_and_config_errors(tmp_path):
     from dynaresize.launch.validate import load_config
-    cfg = load_config({"cluster": {"ranks": 16}, "policy": {"train_ranks": 8},
-                       "rollout": {"prompts_per_batch": 64}, "run": {"iterations": 3}})
+    cfg = load_config({"cluster": {"ranks": 16}, "policy": {"train_ranks": 8}, "trainer": {"sharding": "full"},
+                       "rollout": {"prompts_per_batch": 64}, "run": {"iterations": 3, "mode": "simulate"}})
     path = simulate(cfg, tmp_path / "api", hardware="h100")
     attrs, data = read(path)
     assert attrs["hardware"] == "h100" and attrs["parameters"] == 7_615_616_512
