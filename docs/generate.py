@@ -36,6 +36,7 @@ COMMANDS = [
     ("dynaresize-sim suite", ["-m", "dynaresize.sim", "suite", "--help"]),
     ("dynaresize-sim inside", ["-m", "dynaresize.sim", "inside", "--help"]),
     ("dynaresize-bench", ["-m", "dynaresize.launch.bench", "--help"]),
+    ("dynaresize-bench memory", ["-m", "dynaresize.launch.bench", "memory", "--help"]),
     ("dynaresize-calibrate", ["-m", "dynaresize.plan.calibrate", "--help"]),
     ("python -m dynaresize.data.tiny_model", ["-m", "dynaresize.data.tiny_model", "--help"]),
 ]

@@ -19,4 +19,4 @@ def test_gpu_check_runs_its_cpu_paths(tmp_path):
     results = {c["check"]: c["result"] for c in json.loads((tmp_path / "gpu_check.json").read_text())["checks"]}
     assert results == {"cuda_ipc_handoff": "SKIP", "torch_engine_release_restore": "PASS",
                        "staging_from_gpu": "PASS", "trainer_step_cuda": "PASS", "nccl_registry": "PASS",
-                       "bf16_matmul": "SKIP"}, results
+                       "bf16_matmul": "SKIP", "fsdp2_step_memory": "PASS"}, results

@@ -84,3 +84,25 @@ def test_optimizer_layout_matches_the_runtime_trainer():
         for part, measured in held.items():
             assert model[part] == pytest.approx(measured, rel=0.01), (k, part)
         assert t.flat.dtype == torch.float32
+
+
+def test_fsdp2_shards_fall_as_one_over_n_and_match_the_model(tmp_path):
+    """`dynaresize-bench memory` on 4 real MPI ranks: one FSDP2 AdamW step per group of 1, 2 and 4
+    ranks; what the largest rank holds of each state is the memory model's `full` layout within
+    15 %, and falls as 1/N."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, _env
+    proc = subprocess.run([sys.executable, "-m", "dynaresize.launch.bench", "memory", "--ranks", "4",
+                           "--model", "small", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["ranks"]: r for r in json.loads((tmp_path / "memory_bench.json").read_text())["rows"]}
+    assert sorted(rows) == [1, 2, 4]
+    for k, row in rows.items():
+        for state in ("parameters", "gradients", "optimizer"):
+            assert row[state] == pytest.approx(row[f"{state}_model"], rel=0.15), (k, state)
+            assert row[state] <= rows[1][state] / k * 1.05, (k, state)
+    assert "train ranks" in proc.stdout

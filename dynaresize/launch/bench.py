@@ -1,6 +1,7 @@
 """Switch benchmark: what communicator reuse and off-critical-path staging save, side by side.
 
     dynaresize-bench [--ranks 4] [--repeats 3] [hydra overrides ...]
+    dynaresize-bench memory ...     (what a train rank holds under FSDP2: bench_memory.py)
 
 One MPI job (started with mpiexec like a run) builds the real runtime on a larger model, then
 switches back and forth between two splits under each variant, interleaved so that machine noise
@@ -147,6 +148,10 @@ def rank_main(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["memory"]:         # `dynaresize-bench memory ...`: what a train rank holds (bench_memory.py)
+        from .bench_memory import main as memory_main
+        return memory_main(argv[1:])
     parser = argparse.ArgumentParser(prog="dynaresize-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
@@ -173,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"medians per switch, each variant interleaved with the others in one MPI job, the raw disk "
                 f"bandwidth (O_DIRECT writes) measured after every switch:\n\n```\n{table(rows)}\n```\n\n"
                 f"What the variants are: [the switch benchmark](../concepts/switch.md#the-switch-benchmark).")
-        write_page(args.page, "Switch benchmark", ["dynaresize-bench", *(argv if argv is not None else sys.argv[1:])],
-                   body)
+        write_page(args.page, "Switch benchmark", ["dynaresize-bench", *argv], body)
         print(f"results page: {args.page}", flush=True)
     return code
 

@@ -11,7 +11,7 @@ Without CUDA every check is SKIP and the exit status is 0. DYNARESIZE_GPU_CHECK_
 the checks that have a CPU path (release/restore, staging, trainer step, and the 2-rank registry
 on gloo) on the CPU, to exercise them where there is no GPU. The exit status is 1 if a check FAILs.
 
-About 600 lines on purpose: a lent GPU machine gets one copied script with a fixed time budget, so
+About 650 lines on purpose: a lent GPU machine gets one copied script with a fixed time budget, so
 every check, its timing and the closing table live in this one file.
 """
 from __future__ import annotations
@@ -496,6 +496,57 @@ def check_bf16_matmul(device: str, n: int = 8192, copy_bytes: int = 2**30) -> di
             "copy_GB/s(r+w)": copy_gbs, "of_hbm": copy_gbs * 1e9 / profile_figure("hbm_bandwidth")}
 
 
+# --- 7. one FSDP2 step against the memory model ----------------------------------------------
+def check_fsdp2_step_memory(device: str) -> dict:
+    """One FSDP2 AdamW step (runtime/fsdp.py) of a Qwen2.5-1.5B-shaped model (random weights) in
+    bf16 with float32 master weights and activation checkpointing, on one GPU: its peak allocated
+    memory against plan/memory.py's prediction (reserve excluded), step time and MFU. The CPU path
+    runs a small shape in float32 and checks the sharded states only."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from dynaresize.launch.bench_memory import SHAPES, spec_of
+    from dynaresize.plan import memory
+    from dynaresize.runtime.fsdp import held_bytes, shard_model
+
+    cuda = device == "cuda"
+    shape = (dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, intermediate_size=8960) if cuda else SHAPES["small"])
+    batch, length = (4, 1024) if cuda else (2, 32)
+    with single_rank_world(device) as dist:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compute = "bfloat16" if cuda else "float32"
+        shard_model(model, dist.group.WORLD, device, compute_dtype=compute)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        ids = torch.randint(0, shape["vocab_size"], (batch, length), device=device)
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        step()                                    # the optimizer state exists from here on
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        seconds, _ = timed(device, step)
+        held = held_bytes(model, optimizer)
+        peak = torch.cuda.max_memory_allocated() if cuda else math.nan
+    spec = spec_of(shape)
+    settings = memory.TrainSettings(sharding="full", compute_bytes=2 if cuda else 4, reduce_bytes=4,
+                                    activation_checkpointing=True, micro_batch_tokens=batch * length)
+    predicted = memory.train_memory(spec, settings, 1)
+    for state in ("parameters", "gradients", "optimizer"):
+        expect(abs(held[state] / predicted[state] - 1) <= 0.15,
+               f"{state}: {gb(held[state]):.3f} GB held, the memory model says {gb(predicted[state]):.3f} GB")
+    out = {"params_M": spec.params / 1e6, "step_s": seconds, "states_GB": gb(sum(held.values()))}
+    if cuda:
+        out.update({"peak_GB": gb(peak), "model_GB": gb(sum(predicted.values())),
+                    "peak/model": peak / sum(predicted.values()),
+                    "MFU": 8 * spec.params * batch * length / seconds / profile_figure("peak_flops")})
+    return out
+
+
 # --- the run -----------------------------------------------------------------------------------
 CHECKS = [  # name, function, has a CPU path (DYNARESIZE_GPU_CHECK_DEVICE=cpu)
     ("cuda_ipc_handoff", check_cuda_ipc_handoff, False),
@@ -504,6 +555,7 @@ CHECKS = [  # name, function, has a CPU path (DYNARESIZE_GPU_CHECK_DEVICE=cpu)
     ("trainer_step_cuda", check_trainer_step_cuda, True),
     ("nccl_registry", check_nccl_registry, True),
     ("bf16_matmul", check_bf16_matmul, False),
+    ("fsdp2_step_memory", check_fsdp2_step_memory, True),
 ]
 
 
