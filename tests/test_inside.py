@@ -93,8 +93,9 @@ def test_estimate_lies_between_the_oracle_and_the_bound(tmp_path):
     # ... and the simulator's oracle run takes as long, iteration by iteration (within 1 %)
     from dynaresize import analysis
     from dynaresize.sim.core import Simulator
-    from dynaresize.sim.suite import run_specs
-    tl = analysis.load_timeline(Simulator(prepare(run_specs(spec)["oracle"]), str(tmp_path)).run())
+    from dynaresize.sim.suite import min_train_ranks, run_specs
+    oracle_run = run_specs(spec, min_train_ranks(spec))["oracle"]
+    tl = analysis.load_timeline(Simulator(prepare(oracle_run), str(tmp_path)).run())
     assert float(analysis.iteration_metrics(tl)["span_s"].sum()) == pytest.approx(oracle, rel=0.01)
 
 

@@ -19,7 +19,7 @@ H200_14B = ["+experiment=suite", "hardware=h200", "workload=deepscaler", "cluste
 
 def fewest(setup) -> int:
     cfg, profile = setup.cfg, setup.profile
-    return memory.min_train_ranks(profile, profile.model, memory.TrainSettings.for_job(cfg, profile.model),
+    return memory.min_train_ranks(profile, *memory.job_train_side(cfg, profile),
                                   cfg.cluster.ranks - cfg.policy.resize_unit, cfg.policy.resize_unit)
 
 

@@ -13,7 +13,7 @@ import os
 from omegaconf import DictConfig
 
 from ..config import ConfigError, JobConfig, parse_config
-from ..plan.memory import SHARDINGS, TrainSettings, describe, min_train_ranks, remedies, train_bytes
+from ..plan.memory import SHARDINGS, describe, job_train_side, min_train_ranks, remedies, train_bytes
 from ..plan.policy import POLICIES
 from ..runtime.rollout.base import ENGINES
 from ..data.shapes import longest_sequence, prompt_extra_tokens
@@ -321,12 +321,11 @@ def validate(cfg: JobConfig) -> None:
 def check_train_memory(cfg: JobConfig, need) -> None:
     """Refuse splits whose train ranks cannot hold their share of the model (plan/memory.py), with
     the fewest train ranks that fit, or, if none do, the settings that would help."""
-    from ..plan.hardware import HardwareProfile, ModelSpec
+    from ..plan.hardware import HardwareProfile
     profile = HardwareProfile.from_dict(cfg.hardware)
     if not profile.gpu_memory_bytes > 0:
         return
-    model = profile.model or ModelSpec.from_model_config(cfg.model)
-    settings = TrainSettings.for_job(cfg, model)
+    model, settings = job_train_side(cfg, profile)
     c, p = cfg.cluster, cfg.policy
     unit = max(p.resize_unit, 1)
     kind = POLICIES[p.name]

@@ -63,6 +63,13 @@ class TrainSettings:
                    logit_chunk_tokens=t.logit_chunk_tokens, reference_model=t.kl_coef > 0)
 
 
+def job_train_side(cfg, profile: HardwareProfile) -> tuple[ModelSpec, TrainSettings]:
+    """The model job config `cfg` trains as priced by `profile` (its model, else the job's own) and
+    the trainer settings its memory depends on."""
+    model = profile.model or ModelSpec.from_model_config(cfg.model)
+    return model, TrainSettings.for_job(cfg, model)
+
+
 def layer_params(m: ModelSpec) -> float:
     """Parameters of one decoder layer: the model less its untied embedding and head and final norm."""
     return max(m.params - 2.0 * m.vocab * m.hidden - m.hidden, 0.0) / max(m.layers, 1)
@@ -114,7 +121,7 @@ def min_train_ranks(p: HardwareProfile, m: ModelSpec, s: TrainSettings, most: in
     unit = max(unit, 1)
     if not p.gpu_memory_bytes > 0:
         return unit
-    if p.gpu_memory_bytes > 0 and m.vocab <= 0:
+    if m.vocab <= 0:
         raise ProfileError(f"hardware.model: {m.name} has no vocab size, so its train memory cannot be priced. "
                            f"Fix: give hardware.model.vocab and .intermediate (config.json's vocab_size, "
                            f"intermediate_size)")

@@ -51,24 +51,23 @@ PROGRESS_EVERY_S = 60.0     # a cell's progress line this often (a 1,024-rank ce
 def min_train_ranks(base: dict) -> int:
     """The fewest train ranks whose train side fits the GPU (plan/memory.py) in a cell's config."""
     from ..plan import memory
-    from ..plan.hardware import ModelSpec
     from .config import prepare
     spec = copy.deepcopy(base)
     spec["policy"].update(name="dynamic", train_ranks="auto")
     spec["sim"]["train_units"] = 0
     setup = prepare(spec)              # refuses a cell where no split fits, naming what would help
     cfg = setup.cfg
-    model = setup.profile.model or ModelSpec.from_model_config(cfg.model)
     unit = cfg.policy.resize_unit
-    return memory.min_train_ranks(setup.profile, model, memory.TrainSettings.for_job(cfg, model), cfg.cluster.ranks - unit, unit)
+    return memory.min_train_ranks(setup.profile, *memory.job_train_side(cfg, setup.profile),
+                                  cfg.cluster.ranks - unit, unit)
 
 
-def run_specs(base: dict) -> dict[str, dict]:
+def run_specs(base: dict, fewest: int) -> dict[str, dict]:
     """The composed config of every run of one workload (name -> plain config dict): the static
-    splits whose train side fits (the others would be refused), and every other row."""
+    splits of at least `fewest` train ranks (those that fit; the others would be refused), and
+    every other row."""
     units = int(base["sim"]["units"])
     unit = int(base["cluster"]["ranks"]) // units
-    fewest = min_train_ranks(base)
     specs = {}
     for u in range(-(-fewest // unit), units):
         spec = copy.deepcopy(base)
@@ -296,7 +295,8 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                 for w in workloads:
                     t0 = time.perf_counter()
                     base = compose_base(w, hw, n, overrides)
-                    specs = run_specs(base)
+                    fewest = min_train_ranks(base)
+                    specs = run_specs(base, fewest)
                     wdir = os.path.join(folder, w)
                     # the dynamic runs first: they take longest (a decision prices many splits)
                     names = sorted(specs, key=lambda name: not name.startswith("dynamic"))
@@ -319,7 +319,7 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                         f"(expected lengths) {r['oracle']:.3f} (true)  "
                         f"bound {r['bound']:.3f}  x hindsight static  ({time.perf_counter() - t0:.0f} s, "
                         f"{time.perf_counter() - started:.0f} s in all)")
-                    summary.append({"hardware": hw, "ranks": n, "workload": w, "min_train": min_train_ranks(base),
+                    summary.append({"hardware": hw, "ranks": n, "workload": w, "min_train": fewest,
                                     **{row: float(r[row]) for row in ROWS}, **acceptance(r, metrics["dynamic"])})
                     result = write_summary(out, summary)   # after every cell: a stopped suite keeps its cells
                     details.append((title, df))
