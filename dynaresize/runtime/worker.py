@@ -45,6 +45,23 @@ def main(argv: list[str] | None = None) -> None:
         run_rank(parse_config(OmegaConf.load(argv[0])))   # validated by the launcher that wrote it
     except preemption.RequeueLimit as e:
         sys.exit(f"dynaresize: {e}")
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> None:
+    """End a rank whose run finished: the exit handlers (atexit: a pricing pool's shutdown,
+    logging's flush), MPI_Finalize (mpi4py's own runs after the interpreter's teardown), then
+    os._exit. The teardown it skips, freeing torch's and transformers' modules one by one, took
+    2.4-2.8 s of every 4-rank launch on 2 cores (measured) with nothing left to write: Job.finish
+    has closed every file and the process group."""
+    import atexit
+    from mpi4py import MPI
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(0)
 
 
 if __name__ == "__main__":
