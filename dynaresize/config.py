@@ -79,6 +79,8 @@ class WorkloadConfig:
     length_sigma: float = 0.8      # log-normal spread of the per-prompt scale (the long tail)
     sample_sigma: float = 0.0      # spread of the samples of one prompt group around its scale
     length_growth: float = 0.05    # median *= (1 + growth) each batch
+    length_period: int = 0         # batches of one cycle of the median (0: none): a curriculum that cycles
+    length_amplitude: float = 0.0  # the cycle's swing: median *= exp(amplitude x sin(2 pi batch / period))
     length_min: int = 4            # the shortest response
     length_max: int = 96           # the max response length (cap)
     length_max_schedule: list[Any] = field(default_factory=list)  # [[batch, cap], ...]: cap from that batch on
@@ -207,6 +209,8 @@ class SimOptions:
                                    # samples); without them the analysis counts tokens from rollout events
     flush_every: int = 64          # iterations buffered between timeline writes
     progress: bool = False         # print one line per iteration
+    charge_decisions: bool = False  # add each decision's wall time here to the simulated time (a real
+                                   # run's ranks wait for rank 0's decision); the timeline is then not deterministic
 
 
 @dataclass

@@ -119,6 +119,22 @@ def test_deterministic(tmp_path):
     assert not np.array_equal(a["events"]["end"], c["events"]["end"])
 
 
+def test_charged_decisions_delay_each_next_iteration_by_their_wall_time(tmp_path):
+    # sim.charge_decisions (the suite's default): every rank waits for rank 0's decision, so the
+    # next iteration starts that much later; without it the simulated time leaves decisions out.
+    free = read(run(tmp_path, "free", "policy=dynamic", "run.iterations=10"))[1]["iterations"]
+    attrs, data = read(run(tmp_path, "charged", "policy=dynamic", "run.iterations=10", "sim.charge_decisions=true"))
+    charged = data["iterations"]
+    gaps = charged["start"][1:] - charged["end"][:-1]
+    spans = charged["end"] - charged["start"]
+    # the same iterations (decisions follow stage times, not the clock), each gap one decision's time
+    np.testing.assert_allclose(spans, free["end"] - free["start"], rtol=1e-9)
+    assert (gaps > 0).all() and gaps.max() <= attrs["decide_s_max"] + 1e-9
+    total = charged["end"][-1] - charged["start"][0]
+    assert total == pytest.approx(free["end"][-1] - free["start"][0] + gaps.sum(), rel=1e-9)
+    assert gaps.sum() <= attrs["decide_s_total"] + 1e-9 and gaps.sum() >= 0.5 * attrs["decide_s_total"]
+
+
 def test_synchronous_pipeline(tmp_path):
     attrs, data = read(run(tmp_path, "lag0", "run.max_lag=0", "run.iterations=5"))
     its = data["iterations"]

@@ -66,7 +66,8 @@ The policy's own time
     ``decide_s_median`` and ``decide_s_total``: the wall time of rank 0's decisions on the
     machine that ran it (file attributes of the same names); ``decide_share``: their total / the
     run's time. A real run's time includes the decisions (every rank waits for them); a
-    simulated run's time leaves them out.
+    simulated run's time leaves them out unless ``sim.charge_decisions`` (the suite's default)
+    starts each next iteration after its decision's wall time.
 
 Training metrics (train/*, of the batch trained in the iteration)
     From the train step's own numbers, summed over its micro-batches on every rank that computed

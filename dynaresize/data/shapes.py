@@ -10,7 +10,8 @@ The length model (see dynaresize/conf/workload/ for the presets and their source
 - each prompt has a difficulty scale, log-normal around the batch median (`length_sigma`), and
   each of its samples a spread around that scale (`sample_sigma`), so a GRPO group's samples
   differ in length as they do in practice;
-- the median drifts by `length_growth` per batch (responses grow as the policy learns to reason);
+- the median drifts by `length_growth` per batch (responses grow as the policy learns to reason),
+  and may cycle (`length_period`, `length_amplitude`: a curriculum that cycles, a stress test);
 - lengths are cut at the batch's cap (`length_max`, or `length_max_schedule` as DeepScaleR
   raised its max response length 8k -> 16k -> 24k during training);
 - `mixture` rotates task presets (median, sigma, prompt length) every `mixture_block` batches.
@@ -135,6 +136,8 @@ def batch_shape(w, seed: int, batch: int, prompts_per_batch: int, samples_per_pr
     else:
         context = np.zeros(n, dtype=np.int64)
     median = s["length_median"] * (1.0 + w.length_growth) ** batch
+    if w.length_period > 0:
+        median *= math.exp(w.length_amplitude * math.sin(2 * math.pi * batch / w.length_period))
     scale = rng.lognormal(math.log(median), s["length_sigma"], n)
     spread = (rng.lognormal(0.0, w.sample_sigma, (n, samples_per_prompt)) if w.sample_sigma > 0
               else np.ones((n, samples_per_prompt)))

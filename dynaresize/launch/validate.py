@@ -157,6 +157,10 @@ def validate(cfg: JobConfig) -> None:
         need(not ok or entry.get("prompt_median", 0) == 0 or w.prompt_max >= 1, f"workload.mixture[{i}]",
              "sets prompt_median but workload.prompt_max is 0", "give workload.prompt_max")
     need(w.mixture_block >= 1, "workload.mixture_block", f"is {w.mixture_block}", "use 1 or more batches per task")
+    need(w.length_period >= 0, "workload.length_period", f"is {w.length_period}",
+         "use 0 (no cycle) or the batches of one cycle of the median response length")
+    need(math.isfinite(w.length_amplitude) and w.length_amplitude >= 0, "workload.length_amplitude",
+         f"is {w.length_amplitude}", "use 0 or more (the median swings by exp(+-amplitude))")
     # shapes.batch_shape: median = length_median * (1 + growth) ** batch, whose log is drawn from;
     # -1 < growth < 0 shrinks responses each batch, -1 or less would make the median 0 or negative.
     need(math.isfinite(w.length_growth) and w.length_growth > -1, "workload.length_growth",

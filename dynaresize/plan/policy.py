@@ -11,16 +11,19 @@ import importlib
 import math
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from .migration import priced_migration
-from .prediction import ENSEMBLE, IterationModel, LengthForecast, Prediction, workload_sample
+from .prediction import ENSEMBLE, IterationModel, LengthForecast, Lengths, Prediction, workload_sample
 from .pricing import PricingPool
 from ..data.shapes import generation_rounds
 
 START_POINTS = 4      # points of the run (its start and quarters) where policy.train_ranks=auto prices splits
 START_PHASES = 8      # iterations of a task period it averages over at each point (evenly spaced)
+GUARD_WINDOW = 8      # iterations after a move whose realised saving the guard sums
+GUARD_FACTOR = 4.0    # a move must promise this x what the window's moves lost, beyond the dead band
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,13 @@ class DynamicPolicy(Policy):
        only where switching is cheaper than staying;
     4. moves to the plan's first split if the plan saves more than `dead_band` of the horizon's
        predicted time over staying put, else keeps the split (hysteresis: a forecast that wobbles
-       around the optimum does not make it move back and forth).
+       around the optimum does not make it move back and forth);
+    5. guards against moves that do not pay: for GUARD_WINDOW iterations after a move it sums what
+       the move saved, the iteration on the split it left (the cost model on the batches actually
+       generated and trained, not their forecast) less the iteration measured, less the switch
+       measured; while the last GUARD_WINDOW iterations' sum is negative, a move must promise
+       GUARD_FACTOR times that loss beyond the dead band, else the split is held (the decision's
+       reason says so), until the losing moves leave the window.
     """
     name = "dynamic"
 
@@ -176,6 +185,11 @@ class DynamicPolicy(Policy):
         self.run_split: int | None = None                      # the split the configured run wants
         self.anchor: int | None = None    # the split the next decision weighs a plan against, if not the current
         self.start_reason = ""
+        # the guard: the split the latest move left (for GUARD_WINDOW iterations), and the realised
+        # saving of each of the last GUARD_WINDOW iterations (None: no move before it in the window)
+        self.moved_from: int | None = None
+        self.since_move = 0
+        self.realised: deque = deque(maxlen=GUARD_WINDOW)
 
     # --- start-up ------------------------------------------------------------------------------
     def initial_train_ranks(self) -> int:
@@ -250,22 +264,31 @@ class DynamicPolicy(Policy):
             return self._keep(s, "last iteration")
         plan, stay, best, first = self._plan(s.train_ranks, anchor, nxt, horizon)
         saving = stay - best
+        guard = self.guard()
         band = self.dead_band(nxt)
         k2 = plan[0]
         inside_band = k2 != anchor and saving <= band * stay       # hysteresis: not worth leaving the anchor
+        held = k2 not in (anchor, s.train_ranks) and guard is not None and saving <= band * stay - GUARD_FACTOR * guard
         if inside_band:
             k2 = anchor
         p = first[k2]
         attrs = {"predicted_s": round(p.total, 6), "best_next": min(first, key=lambda k: (first[k].total, k)),
                  "plan": plan, "horizon": horizon, "dead_band": round(band, 4),
                  "scale_rollout": round(self.scale["rollout"], 4), "scale_train": round(self.scale["train"], 4)}
+        if guard is not None:
+            attrs["guard_s"] = round(guard, 6)
         if k2 == s.train_ranks:
             return self._keep(s, "saving inside the dead band" if inside_band else "plan: stay", p, attrs, saving)
+        if held:
+            return self._keep(s, f"guard: the moves of the last {GUARD_WINDOW} iterations cost {-guard:.3g} s more "
+                                 f"than they saved, and this one promises {saving:.3g} s", first[s.train_ranks],
+                              attrs, saving)
         reason = (("the run's split" + (" (dead band)" if inside_band else "")) if k2 == anchor
                   else f"plan saves {saving:.3g} s over {horizon} iterations")
         cost = self._switch_cost(s.train_ranks, k2)
         attrs["predicted_s"] = round(p.total + cost, 6)       # the iteration after the move pays the switch
         self.last_move = ("rollout" if k2 < s.train_ranks else "train", cost)
+        self.moved_from, self.since_move = s.train_ranks, -1        # counted from the iteration it runs
         self.engines_from = min(self.engines_from, k2)
         why = "to rollout" if k2 < s.train_ranks else "to training"
         return Decision(s.iteration, s.train_ranks, k2, f"move {why}: {reason}", p.rollout, p.train, saving, cost,
@@ -297,12 +320,31 @@ class DynamicPolicy(Policy):
             if s.rollout_time > 0:
                 self._update("rollout", s.rollout_time / self.model.rollout(s.lengths, s.train_ranks))
         trained = self.forecast.generated.get(s.trained_batch)
+        self._realise(s, trained)
         if trained is not None and s.train_time > 0 and s.switch_time == 0:     # a switch's stage-in distorts it
             # the train stage as predicted for this iteration (with work stealing, helpers free when
             # their rollout of this iteration's batch ends), before the train correction
             generated = s.lengths if s.generated_batch >= 0 else None
             predicted = self.model.iteration(generated, trained, s.train_ranks, self.scale["rollout"]).train
             self._update("train", s.train_time / predicted)
+
+    def _realise(self, s: IterationStats, trained: Lengths | None) -> None:
+        """The guard's ledger: what the latest move saved in iteration s (see the class docstring)."""
+        self.since_move += 1
+        if self.moved_from is not None and self.since_move >= GUARD_WINDOW:
+            self.moved_from = None
+        generated = s.lengths if s.generated_batch >= 0 else None
+        if self.moved_from is None or (generated is None and trained is None):
+            self.realised.append(None)
+            return
+        left = self.model.iteration(generated, trained, self.moved_from, self.scale["rollout"], self.scale["train"])
+        ran = self.model.compose(s.rollout_time, s.train_time, generated, trained, s.train_ranks)
+        self.realised.append(left.total - ran.total - s.switch_time)
+
+    def guard(self) -> float | None:
+        """The realised saving of the moves of the last GUARD_WINDOW iterations, if negative."""
+        gains = [g for g in self.realised if g is not None]
+        return sum(gains) if gains and sum(gains) < 0 else None
 
     def _update(self, key: str, ratio: float) -> None:
         """EMA of a measured / predicted ratio; the first measurement replaces the prior (1)."""
@@ -365,7 +407,8 @@ class DynamicPolicy(Policy):
     def state(self) -> dict:
         return {"forecast": self.forecast.state(), "scale": dict(self.scale), "measured": sorted(self.measured),
                 "engines_from": self.engines_from, "last_move": list(self.last_move) if self.last_move else None,
-                "anchor": self.anchor}
+                "anchor": self.anchor, "moved_from": self.moved_from, "since_move": self.since_move,
+                "realised": list(self.realised)}
 
     def load_state(self, state: dict) -> None:
         self.forecast.load_state(state["forecast"])
@@ -374,6 +417,8 @@ class DynamicPolicy(Policy):
         self.last_move = tuple(state["last_move"]) if state["last_move"] else None
         self.measured = set(state["measured"])
         self.anchor = state.get("anchor")
+        self.moved_from, self.since_move = state.get("moved_from"), state.get("since_move", 0)
+        self.realised = deque(state.get("realised", ()), maxlen=GUARD_WINDOW)
 
 
 def steps_to_search(keys: list[tuple | None]) -> set[int]:

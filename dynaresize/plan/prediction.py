@@ -45,6 +45,10 @@ EXHAUSTIVE = 12       # candidate splits up to which every one is evaluated
 NEIGHBOURS = 3        # beyond that: splits evaluated on each side of the stages' crossing
 TREND_WINDOW = 10     # batches of a task whose mean lengths give its growth trend
 ENSEMBLE = 16         # recent batches of a task a forecast replays (their predictions are averaged)
+RECENT = 4            # ... in the short variant, for lengths that change faster than ENSEMBLE batches
+AHEAD = 8             # batches past the newest seen batch a trend is extrapolated (then held)
+CHOICE_WINDOW = 8     # a task's latest one-step errors by which its forecast variant is chosen
+CHOICE_MARGIN = 0.8   # another variant replaces the default when its error is below this x the default's
 PLACEMENTS = 2 * ENSEMBLE     # prompt sets whose placements IterationModel keeps (a forecast's, and more)
 assert ENSEMBLE >= TREND_WINDOW     # the trend is read from the batches a forecast keeps
 _PRIOR_STREAM = 0x70726972    # "prir": the configured workload's sample batch (not a real batch)
@@ -87,6 +91,20 @@ class Lengths:
         return cls(np.asarray(d["prompt_lens"], np.int64),
                    np.asarray(d["response_lens"], np.int64).reshape(len(d["prompt_lens"]), -1),
                    np.asarray(trained, np.int64), tuple(d.get("rounds", ())))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How a forecast replays a task's batches: how many of the newest, each grown by the trend
+    fitted over the task's newest `trend` batches (0: none)."""
+    trend: int
+    replayed: int
+
+
+# The first is the default: every batch it can replay, grown by the trend of TREND_WINDOW batches
+# (right on stationary and steadily drifting lengths); the others replace it where their measured
+# error is lower: no trend, or few batches with the trend of those few (lengths that rise and fall).
+VARIANTS = (Variant(TREND_WINDOW, ENSEMBLE), Variant(0, ENSEMBLE), Variant(0, RECENT), Variant(RECENT, RECENT))
 
 
 @dataclass(frozen=True)
@@ -376,9 +394,11 @@ class LengthForecast:
     docstring). Per task of a mixture (tasks rotate by a configured schedule), the forecast of a
     batch is an ensemble: the task's last ENSEMBLE generated batches, each grown by the task's
     trend over the batches between (a least-squares slope of log mean length over the last
-    TREND_WINDOW, compared at the lowest cap among them) and cut at the forecast batch's
-    configured cap (responses cut at a lower cap of their own batch continue past it:
-    `uncensor`). A rollout's time is floored by
+    TREND_WINDOW, compared at the lowest cap among them; extrapolated at most AHEAD batches past
+    the newest) and cut at the forecast batch's configured cap (responses cut at a lower cap of
+    their own batch continue past it: `uncensor`). Where that has predicted the task's latest
+    batches clearly worse than replaying fewer batches or no trend (lengths that rise and fall),
+    the better variant is used (`variant`). A rollout's time is floored by
     its longest sequences, which differ from batch to batch: a prediction averaged over several
     batches estimates the expected time, where one batch would chase the noise of its tail. A task
     not seen yet is a sample of the configured workload (drawn with a seed of its own, not the
@@ -389,15 +409,18 @@ class LengthForecast:
         self.max_rounds = max_rounds      # dynamic sampling's rounds, for the configured workload's sample
         self.generated: dict[int, Lengths] = {}          # recent generated batches, by index
         self.recent: dict[int, deque] = {}                # task -> (batch index, lengths), newest last
-        self._growth: dict[int, float] = {}               # task -> growth(task), until it sees a batch
+        self._growth: dict[tuple[int, int], float] = {}   # (task, window) -> growth(...), until it sees a batch
         # the same objects for the same forecast until its batch is generated (IterationModel keeps
         # prices per batch object): prior(b), and the member (growth, batch) of each (seen batch,
         # forecast batch), replaced when the growth changes
         self._priors: dict[int, list[Lengths]] = {}
         self._members: dict[tuple[int, int], tuple[float, Lengths]] = {}
+        # task -> each variant's latest errors predicting a batch's mean length before it was seen
+        self.errors: dict[int, dict[Variant, deque]] = {}
 
     def observe(self, b: int, batch: Lengths) -> None:
         task = task_index(self.w, b)
+        self._score(task, b, batch)
         self.generated[b] = batch
         for old in [x for x in self.generated if x < b - 2]:
             del self.generated[old]
@@ -407,9 +430,10 @@ class LengthForecast:
         replayed = {b0 for d in self.recent.values() for b0, _ in d}
         for key in [key for key in self._members if key[1] <= b or key[0] not in replayed]:
             del self._members[key]
-        self._growth.pop(task, None)
+        for key in [key for key in self._growth if key[0] == task]:
+            del self._growth[key]
 
-    def growth(self, task: int) -> float:
+    def growth(self, task: int, window: int = TREND_WINDOW) -> float:
         """The task's log growth of mean length per batch: the least-squares slope over its last
         TREND_WINDOW batches (0 until three are seen), kept from four batches on only where it
         stands out of their noise (over two standard errors). A stationary task's slope is noise;
@@ -419,12 +443,14 @@ class LengthForecast:
         at the lowest cap among them. Past a cap rise the new cap lets longer responses through,
         which is not growth: counted as growth, the step in the mean made the slope 3-5 x the
         trend for the next TREND_WINDOW batches."""
-        if task not in self._growth:
-            self._growth[task] = self._fit_growth(task)
-        return self._growth[task]
+        if window <= 0:
+            return 0.0
+        if (task, window) not in self._growth:
+            self._growth[task, window] = self._fit_growth(task, window)
+        return self._growth[task, window]
 
-    def _fit_growth(self, task: int) -> float:
-        seen = [(b0, x.response_lens) for b0, x in list(self.recent.get(task, ()))[-TREND_WINDOW:]
+    def _fit_growth(self, task: int, window: int) -> float:
+        seen = [(b0, x.response_lens) for b0, x in list(self.recent.get(task, ()))[-window:]
                 if x.response_lens.size]
         cap = min((response_cap(self.w, b0) for b0, _ in seen), default=0)
         points = [(b0, float(np.minimum(lens, cap).mean())) for b0, lens in seen]
@@ -440,6 +466,40 @@ class LengthForecast:
         stderr = math.sqrt(float(resid @ resid) / (len(points) - 2) / float(dx @ dx))
         return slope if abs(slope) > 2.0 * stderr else 0.0
 
+    def _score(self, task: int, b: int, batch: Lengths) -> None:
+        """Record how far each variant's forecast of batch b's mean response length, made from the
+        batches before it, was from the truth (|log ratio|)."""
+        actual = float(batch.response_lens.mean()) if batch.response_lens.size else 0.0
+        if task not in self.recent or actual <= 0:
+            return
+        errors = self.errors.setdefault(task, {v: deque(maxlen=CHOICE_WINDOW) for v in VARIANTS})
+        for v in VARIANTS:
+            predicted = self._mean_length(task, b, v)
+            if predicted > 0:
+                errors[v].append(abs(math.log(predicted / actual)))
+
+    def _mean_length(self, task: int, b: int, v: Variant) -> float:
+        """The mean response length of batch b that variant v forecasts (before any cap)."""
+        growth = self.growth(task, v.trend)
+        reach = min(b, self.recent[task][-1][0] + AHEAD)
+        means = [float(x.response_lens.mean()) * math.exp(growth * (reach - b0))
+                 for b0, x in list(self.recent[task])[-v.replayed:] if x.response_lens.size]
+        return float(np.mean(means)) if means else 0.0
+
+    def variant(self, task: int) -> Variant:
+        """The variant the task's forecasts use: the default (VARIANTS[0]) unless another has
+        predicted the task's latest batches clearly better (mean error below CHOICE_MARGIN x the
+        default's over CHOICE_WINDOW batches). Chosen by measured error, not per workload: where
+        lengths rise and fall, the trend points the wrong way past a turning point and the old
+        batches replayed belong to another phase; where they drift steadily, the default wins."""
+        default = VARIANTS[0]
+        errors = self.errors.get(task)
+        if not errors or len(errors[default]) < CHOICE_WINDOW // 2:
+            return default
+        mean = {v: sum(e) / len(e) for v, e in errors.items()}
+        best = min(VARIANTS, key=lambda v: mean[v])       # ties: the first (VARIANTS' order)
+        return best if mean[best] < CHOICE_MARGIN * mean[default] else default
+
     def prior(self, b: int) -> list[Lengths]:
         """ENSEMBLE samples of the configured workload at batch b (start-up, tasks not seen yet),
         the same objects until batch b is generated."""
@@ -454,7 +514,7 @@ class LengthForecast:
         task = task_index(self.w, b)
         if b in self.generated or task not in self.recent:
             return ENSEMBLE
-        return len(self.recent[task])
+        return min(len(self.recent[task]), self.variant(task).replayed)
 
     def forecast(self, b: int) -> tuple[list[Lengths], tuple]:
         """(the forecast of batch b: one or more equally likely batches, a key: equal keys,
@@ -464,10 +524,12 @@ class LengthForecast:
         task = task_index(self.w, b)
         if task not in self.recent:
             return self.prior(b), ("prior", b)
-        growth, cap = self.growth(task), response_cap(self.w, b)
+        v, cap = self.variant(task), response_cap(self.w, b)
+        growth = self.growth(task, v.trend)
+        reach = min(b, self.recent[task][-1][0] + AHEAD)       # the trend is held past AHEAD batches
         members, key = [], []
-        for b0, seen in self.recent[task]:
-            scale = math.exp(growth * (b - b0))
+        for b0, seen in list(self.recent[task])[-v.replayed:]:
+            scale = math.exp(growth * (reach - b0))
             cut = response_cap(self.w, b0)
             cap_rises = cut < cap and seen.response_lens.max(initial=0) >= cut
             if scale == 1.0 and not cap_rises and 1 <= seen.response_lens.min() and seen.response_lens.max() <= cap:
@@ -484,12 +546,15 @@ class LengthForecast:
     def state(self) -> dict:
         """What was observed, as plain data (JSON): lists of [batch or task, ...] pairs."""
         return {"generated": [[b, x.to_data()] for b, x in self.generated.items()],
-                "recent": [[t, [[b, x.to_data()] for b, x in d]] for t, d in self.recent.items()]}
+                "recent": [[t, [[b, x.to_data()] for b, x in d]] for t, d in self.recent.items()],
+                "errors": [[t, [list(e[v]) for v in VARIANTS]] for t, e in self.errors.items()]}
 
     def load_state(self, state: dict) -> None:
         self.generated = {int(b): Lengths.from_data(x) for b, x in state["generated"]}
         self.recent = {int(t): deque(((int(b), Lengths.from_data(x)) for b, x in d), maxlen=ENSEMBLE)
                        for t, d in state["recent"]}
+        self.errors = {int(t): {v: deque(e, maxlen=CHOICE_WINDOW) for v, e in zip(VARIANTS, errors)}
+                       for t, errors in state.get("errors", [])}      # a checkpoint of before: none
         self._growth = {}
 
 

@@ -330,7 +330,8 @@ class Simulator:
             print(f"[dynaresize-sim] iter {it + 1:>5}/{self.iterations + self.lag}  split "
                   f"{self.describe():>9}  rollout {self.rollout_time:8.2f}s  train {self.train_time:8.2f}s  "
                   f"span {end_it - T:8.2f}s  {decision.reason}", flush=True)
-        self.clock = end_it
+        # sim.charge_decisions: the next iteration starts after the decision, as in a real run
+        self.clock = end_it + (self.policy.decide_seconds[-1] if self.options.charge_decisions else 0.0)
         buffered = self.events.rows + sum(len(x) for x in self.rows["samples"])
         last = it == self.iterations + self.lag - 1
         if (it + 1) % self.options.flush_every == 0 or last or buffered > 2_000_000:
