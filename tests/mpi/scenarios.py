@@ -178,7 +178,102 @@ def waiting(ctrl: ControlPlane, out_dir: str) -> dict:
     return {}
 
 
-SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training, waiting)}
+def dcp_reshard(ctrl: ControlPlane, out_dir: str) -> dict:
+    """FSDP2 training state saved by 2 ranks through DCP over HDF5 (runtime/dcp_h5.py) and loaded
+    by 3, then by 1: every parameter and AdamW moment equals the saved one bit for bit, and the
+    3-rank state trains on. A corrupt byte, another run's id and an unfinished save are refused."""
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, get_state_dict,
+                                                         set_state_dict)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from dynaresize.runtime.dcp_h5 import H5Reader, H5Writer
+    from dynaresize.runtime.fsdp import shard_model
+
+    ctrl.init_data_plane("cpu")
+    shape = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    groups = {k: dist.new_group(list(range(k))) for k in (1, 2, 3)}      # collective: every rank, same order
+    folder = os.path.join(out_dir, "dcp")
+
+    def trained(k: int, steps: int):
+        torch.manual_seed(0)
+        model = shard_model(Qwen2ForCausalLM(Qwen2Config(**shape)), groups[k])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model, optimizer
+
+    def full_state(model, optimizer) -> dict:
+        return {"model": get_model_state_dict(model, options=full),
+                "optim": get_optimizer_state_dict(model, optimizer, options=full)}
+
+    saved = None
+    if ctrl.rank < 2:
+        model, optimizer = trained(2, 2)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=H5Writer(folder, "run-a"),
+                 process_group=groups[2])
+        saved = full_state(model, optimizer)       # collective over the 2 ranks
+    ctrl.barrier()
+    result = {}
+    for k in (3, 1):
+        if ctrl.rank < k:
+            model, optimizer = trained(k, 0)
+            model_sd, optim_sd = get_state_dict(model, optimizer)     # the optimizer's state, allocated
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, storage_reader=H5Reader(folder, "run-a"), process_group=groups[k])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            loaded = full_state(model, optimizer)
+            if ctrl.rank == 0:
+                for key, value in saved["model"].items():
+                    assert torch.equal(value, loaded["model"][key]), (k, key)
+                moments = 0
+                for key, per_param in saved["optim"]["state"].items():
+                    for name, value in per_param.items():
+                        assert torch.equal(torch.as_tensor(value), torch.as_tensor(loaded["optim"]["state"][key][name])), \
+                            (k, key, name)
+                        moments += 1
+                result[f"loaded_by_{k}"] = {"tensors": len(saved["model"]), "optimizer_values": moments}
+            if k == 3:           # the resharded state trains on
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+            del model, optimizer
+        ctrl.barrier()
+    if ctrl.rank == 0:
+        for run_id, damage, expected in ((None, "metadata", "no metadata"), ("run-b", None, "not this run"),
+                                         ("run-a", "byte", "fails its CRC32")):
+            broken = os.path.join(out_dir, f"broken-{expected.split()[0]}")
+            shutil.copytree(folder, broken)
+            if damage == "metadata":
+                os.remove(os.path.join(broken, ".metadata"))
+            if damage == "byte":            # one bit of the first byte of every item rank 1 saved
+                import h5py
+                with h5py.File(os.path.join(broken, "shard-00001.h5"), "r+") as f:
+                    for name in f:
+                        if f[name].size:
+                            f[name][0] ^= 1
+            target = {"model": Qwen2ForCausalLM(Qwen2Config(**shape)).state_dict()}     # whole tensors
+            try:
+                dcp.load(target, storage_reader=H5Reader(broken, run_id or "run-a"), no_dist=True)
+            except (Exception, CheckpointException) as e:     # DCP wraps what a storage step raises
+                assert expected in str(e), (expected, e)
+            else:
+                raise AssertionError(f"a {expected} checkpoint loaded")
+        result["refused"] = ["unfinished save", "another run", "corrupt byte"]
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training, waiting, dcp_reshard)}
 
 
 def run_scenario(scenarios: dict) -> None:
