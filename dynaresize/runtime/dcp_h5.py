@@ -218,7 +218,8 @@ class H5Reader(StorageReader):
             planner.load_bytes(item, io.BytesIO(raw.tobytes()))
             return
         dtype = getattr(torch, ds.attrs["dtype"])
-        saved = torch.frombuffer(bytearray(raw.tobytes()), dtype=dtype) if raw.size else torch.empty(0, dtype=dtype)
+        # the bytes read, reinterpreted in place (no copy of a shard that may be gigabytes)
+        saved = torch.from_numpy(raw).view(dtype) if raw.size else torch.empty(0, dtype=dtype)
         saved = saved.reshape(tuple(int(x) for x in ds.attrs["shape"]))
         for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             saved = saved.narrow(dim, offset, length)
