@@ -142,10 +142,11 @@ class TrainerConfig:
     # Gradients are summed across micro-batches and ranks in float64, so the sum (and thus the
     # weights) does not depend on how many train ranks there are, up to the final rounding.
     grad_reduce_dtype: str = "float64"
-    # What a train rank holds (plan/memory.py): optimizer (the runtime's trainer: every train rank
-    # holds the whole model, AdamW state sharded) | full (FSDP2: parameters, gradients and optimizer
-    # state sharded; priced by dynaresize-sim only, until the runtime's trainer shards them)
+    # What a train rank holds (plan/memory.py): optimizer (ZeRO-1, trainer.py: every train rank
+    # holds the whole model, AdamW state sharded; split-invariant to the last bit) | full (FSDP2,
+    # fsdp.py: parameters, gradients and AdamW state sharded; a resize reshards through DCP)
     sharding: str = "optimizer"
+    weight_sync_bucket_mb: int = 256   # sharding=full: weights gathered and sent to the engines this many MiB at a time
     activation_checkpointing: bool = False   # keep each decoder layer's input only; recompute the rest in backward
     logit_chunk_tokens: int = 0    # compute the output head's logits this many tokens at a time; 0: all at once
     # Recompute the old (behaviour) log-probabilities with the trainer's weights before the update,

@@ -89,10 +89,19 @@ CASES = {
     "cuda_without_gpu": (["cluster.device=cuda"], "cluster.device", ["cluster.device=cpu"]),
     "hf_positions": (["model.path={tmp}/hf32"], "model.path", ["max_position_embeddings"]),
     "scratch_is_a_file": (["cluster.local_scratch={tmp}/scratch_file"], "cluster.local_scratch", ["is a file"]),
+    # what the fully sharded trainer does not do yet
+    "full_stealing": (["trainer.sharding=full", "trainer.work_stealing=true"], "trainer.work_stealing",
+                      ["trainer.sharding=optimizer"]),
+    "full_logit_chunks": (["trainer.sharding=full", "trainer.logit_chunk_tokens=64"], "trainer.logit_chunk_tokens",
+                          ["FSDP2"]),
+    "full_network": (["trainer.sharding=full", "staging.transport=network"], "trainer.sharding",
+                     ["node-local files", "multi-node"]),
+    "full_colocated": (["trainer.sharding=full", "policy=colocated", "run.max_lag=0"], "trainer.sharding",
+                       ["policy=colocated"]),
 }
 
 
-@pytest.mark.fault('typos in keys, wrong types, out-of-range values (betas, eps, weight_decay, grad_clip, growth, schedules, a simulator-only policy, fp16 on CPU, CUDA without a GPU, a model with too few positions, a scratch path that is a file)',
+@pytest.mark.fault('typos in keys, wrong types, out-of-range values (betas, eps, weight_decay, grad_clip, growth, schedules, a simulator-only policy, fp16 on CPU, CUDA without a GPU, a model with too few positions, a scratch path that is a file, what trainer.sharding=full does not do yet)',
                    'exit 2 before any rank starts, naming the field and the fix')
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_configuration_exits_2_before_ranks_start(case, tmp_path, hf_checkpoint):

@@ -37,7 +37,8 @@ def switch_plans(path: str | os.PathLike) -> dict[int, switchplan.SwitchPlan]:
             plans[it] = switchplan.plan(
                 old, new, parked=parked, numel=numel,
                 transport=switchplan.transport(staging.get("transport", "auto"), hosts, max(old.num_train, k)),
-                release_mode=rollout.get("release", "sleep"), staging_critical=bool(staging.get("critical", False)))
+                release_mode=rollout.get("release", "sleep"), staging_critical=bool(staging.get("critical", False)),
+                sharding=(config.get("trainer") or {}).get("sharding", "optimizer"))
             parked = plans[it].parked_after
         previous = (k, version)
     return plans

@@ -113,6 +113,28 @@ def trainable_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
+def empty_model(path: str):
+    """The model with its parameters on the meta device (no memory, no values) but its buffers
+    computed (the rotary frequencies, which no checkpoint holds): what a fully sharded trainer
+    shards and then fills from saved state. Each parameter is created and moved to meta on its
+    own, so at most one parameter's memory exists at a time."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quiet_transformers()
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 def model_skeleton(path: str):
     """The model's structure without weights (meta device): enough to know the flat layout."""
     from transformers import AutoConfig, AutoModelForCausalLM

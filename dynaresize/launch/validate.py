@@ -216,9 +216,17 @@ def validate(cfg: JobConfig) -> None:
     need(t.grad_clip >= 0, "trainer.grad_clip", f"is {t.grad_clip}; it is the largest gradient norm kept",
          "use a positive norm, e.g. 1.0, or 0 to turn clipping off")
     need(t.sharding in SHARDINGS, "trainer.sharding", f"unknown {t.sharding!r}", f"use one of {', '.join(SHARDINGS)}")
-    need(t.sharding != "full" or run.mode != "real", "trainer.sharding",
-         "is full, which dynaresize-sim and emulation price but the runtime's trainer does not implement yet "
-         "(it holds the whole model on every train rank)", "use trainer.sharding=optimizer for real runs")
+    if t.sharding == "full" and run.mode != "simulate":    # what the runtime's FSDP2 trainer does not do yet
+        need(not t.work_stealing, "trainer.work_stealing", "is true with trainer.sharding=full: a helper's "
+             "gradient sums are sent as ranges of the ZeRO-1 flat vector", "use trainer.sharding=optimizer, or "
+             "drop trainer.work_stealing")
+        need(t.logit_chunk_tokens == 0, "trainer.logit_chunk_tokens", f"is {t.logit_chunk_tokens} with "
+             "trainer.sharding=full: the chunked head runs the decoder outside FSDP2's root module",
+             "use trainer.logit_chunk_tokens=0, or trainer.sharding=optimizer")
+        need(s.transport != "network" and c.nodes == 1, "trainer.sharding",
+             f"is full on {c.nodes} node(s) with staging.transport={s.transport}: the fully sharded trainer "
+             "reshards through node-local files only (one node); across nodes that is not built yet",
+             "use trainer.sharding=optimizer for multi-node runs, or one node with staging.transport=auto or file")
     need(t.logit_chunk_tokens >= 0, "trainer.logit_chunk_tokens", f"is {t.logit_chunk_tokens}",
          "use 0 (all logits at once) or a number of tokens, e.g. 2048")
 
@@ -246,6 +254,9 @@ def validate(cfg: JobConfig) -> None:
     need(not batch_ok or micro_batches >= most_train, "trainer.micro_batch_size",
          f"the batch has {micro_batches} micro-batches but up to {most_train} ranks may train",
          "lower trainer.micro_batch_size or raise rollout.prompts_per_batch")
+    need(not (colocated and t.sharding == "full" and run.mode != "simulate"), "trainer.sharding",
+         f"is full with policy={p.name}: the colocated engines take their weights from a ZeRO-1 trainer's "
+         "full copy", "use trainer.sharding=optimizer with policy=colocated")
     need(not (colocated and t.work_stealing), "trainer.work_stealing",
          f"is true with policy={p.name}: every rank trains already", "drop trainer.work_stealing")
     need(not (colocated and r.migration_threshold != 0), "rollout.migration_threshold",

@@ -124,11 +124,12 @@ class IterationModel:
 
     def __init__(self, cm: CostModel, world: int, max_lag: int, micro_batch_size: int, resize_unit: int = 1,
                  work_stealing: bool = False, release_mode: str = "sleep", migration: tuple[int, int] | None = None,
-                 transport: str = "auto", staging_critical: bool = False):
+                 transport: str = "auto", staging_critical: bool = False, sharding: str = "optimizer"):
         self.cm, self.world, self.lag, self.mbs = cm, world, max_lag, micro_batch_size
         self.work_stealing = work_stealing
-        # what a switch plan depends on: rollout.release, staging.transport and .critical, the nodes
+        # what a switch plan depends on: rollout.release, staging.transport and .critical, trainer.sharding, the nodes
         self.release_mode, self.transport, self.staging_critical = release_mode, transport, staging_critical
+        self.sharding = sharding
         self.hosts = cm.hostnames(world)
         self.migration = migration          # tail migration: (rollout.migration_threshold, rollout.tail_ranks)
         self.engine_times = cm.helper_engine_times(release_mode)   # a helper's engine: (sleep, wake)
@@ -155,7 +156,7 @@ class IterationModel:
         migration it predicts with (migration.priced_migration), None for none."""
         return cls(cm, job.cluster.ranks, job.run.max_lag, job.trainer.micro_batch_size, job.policy.resize_unit,
                    job.trainer.work_stealing, job.rollout.release, migration, job.staging.transport,
-                   job.staging.critical)
+                   job.staging.critical, job.trainer.sharding)
 
     def _memo(self, batch: Lengths, key: tuple, compute: Callable):
         priced = self._priced.get(batch)
@@ -357,7 +358,7 @@ class IterationModel:
             plan = switchplan.plan(old, old.with_split(k2), parked=frozenset(range(parked_from, k)),
                                    transport=switchplan.transport(self.transport, self.hosts, max(k, k2)),
                                    numel=self.cm.numel, release_mode=self.release_mode,
-                                   staging_critical=self.staging_critical)
+                                   staging_critical=self.staging_critical, sharding=self.sharding)
             self._switches[key] = switchplan.critical_time(plan, self.cm.switch_op_time)
         return self._switches[key]
 

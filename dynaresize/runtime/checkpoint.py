@@ -6,6 +6,8 @@ with a larger `run.iterations`), and when Slurm warns that the job will end (pre
 holds everything the next iteration depends on:
 - each train rank's optimizer shard (float32 master weights and AdamW moments, with the step
   count), in the staging format (HDF5, per-chunk CRC32): the full weights are their concatenation;
+  with the fully sharded trainer (`trainer.sharding=full`) the train group's state saved by
+  torch.distributed.checkpoint instead (`train/`, dcp_h5.py), which loads on any number of ranks;
 - rank 0's state, as data (state.json, no pickles): the last completed iteration, the role table,
   the policy's state, the batch generated but not yet trained (max_lag 1), the decision taken for
   the next iteration, the run id its shards are bound to and the configuration that wrote it.
@@ -86,7 +88,10 @@ def checkpoint_if_due(job, it: int, ready: list, decision, warned: bool) -> str 
             make_private_dir(tmp)
         job.ctrl.barrier()
         try:
-            if job.trainer is not None:
+            if job.trainer is not None and job.sharded:
+                ev["bytes"] = job.trainer.save(train_state_dir(tmp), job.run_id, job.cfg.staging.buffer_mb,
+                                               fsync=True)
+            elif job.trainer is not None:
                 ev["bytes"] = write_shard(shard_path(tmp, job.table.version, job.rank), job.trainer.export_shard(),
                                           job.table.version, job.cfg.staging.buffer_mb, job.run_id, fsync=True)
             if job.rank == 0:
@@ -191,9 +196,18 @@ def _flat(tree, prefix: str = "") -> dict:
     return out
 
 
-def load_flat_params(resume: ResumeState, numel: int) -> torch.Tensor:
-    """The full weights: the concatenated master copies of every train rank's shard."""
-    table = resume.table
+def train_state_dir(path: str) -> str:
+    """The fully sharded trainer's state in checkpoint directory `path`."""
+    return os.path.join(path, "train")
+
+
+def load_flat_params(resume: ResumeState, layout) -> torch.Tensor:
+    """The full weights (flat, in `layout`'s order): the concatenated master copies of every train
+    rank's shard, or read from the fully sharded trainer's saved state."""
+    if os.path.isdir(train_state_dir(resume.path)):
+        from .fsdp import load_full_weights
+        return load_full_weights(train_state_dir(resume.path), resume.run_id, layout)[0]
+    numel, table = layout.numel, resume.table
     k = table.num_train
     parts = []
     for q in range(k):

@@ -13,15 +13,16 @@ only stores what DCP hands it, as the project's staging does:
 - the coordinator writes DCP's metadata last (`.metadata`, pickled, also renamed into place), with
   the run id when one is given: a folder of another run, or one whose saving did not finish, is
   refused, never loaded;
-- a load reads only the items DCP's plan names, checks every chunk's CRC (a flipped byte or a
-  truncated file is an error, never a silent load), and copies the requested hyperslab into the
-  tensor DCP resolves.
+- a load reads only the items DCP's plan names, and of an item cut along its first dimension (an
+  FSDP shard) only the chunks that hold the rows asked for; it checks the CRC of every chunk it
+  reads (a flipped byte or a truncated file is an error, never a silent load) and copies the
+  requested hyperslab into the tensor DCP resolves.
 
     dcp.save(state, storage_writer=H5Writer(folder, run_id), process_group=old_group)
     dcp.load(state, storage_reader=H5Reader(folder, run_id), process_group=new_group)
 
-The runtime's trainer does not use it yet (the fully sharded trainer will, for resizes and
-checkpoints); tests/test_dcp_h5.py reshards FSDP2 state from 2 ranks to 3 and to 1 through it.
+The fully sharded trainer (fsdp.py) resizes and checkpoints through it; tests/test_dcp_h5.py
+reshards FSDP2 state from 2 ranks to 3 and to 1 through it.
 """
 from __future__ import annotations
 
@@ -75,15 +76,29 @@ def _write_bytes(f: h5py.File, name: str, data: np.ndarray, chunk_bytes: int, **
         ds.attrs[key] = value
 
 
-def _read_bytes(ds: h5py.Dataset, where: str) -> np.ndarray:
-    data = ds[...]
-    chunk, crcs = int(ds.attrs["chunk"]), ds.attrs["crc32"]
-    if len(crcs) != -(-data.size // chunk):
-        raise CheckpointStorageError(f"{where}: {data.size} bytes do not fill {len(crcs)} chunks (truncated)")
-    for i, lo in enumerate(range(0, data.size, chunk)):
-        if zlib.crc32(data[lo:lo + chunk]) != int(crcs[i]):
+def _read_bytes(ds: h5py.Dataset, where: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """Bytes [lo, hi) of a dataset written by _write_bytes (all of it by default): the chunks that
+    cover them are read and each checked against its CRC32."""
+    n, chunk, crcs = ds.shape[0], int(ds.attrs["chunk"]), ds.attrs["crc32"]
+    if len(crcs) != -(-n // chunk):
+        raise CheckpointStorageError(f"{where}: {n} bytes do not fill {len(crcs)} chunks (truncated)")
+    hi = n if hi is None else hi
+    first, last = lo // chunk, -(-hi // chunk)
+    data = ds[first * chunk:min(last * chunk, n)]
+    for i in range(first, last):
+        piece = data[(i - first) * chunk:(i - first + 1) * chunk]
+        if zlib.crc32(piece) != int(crcs[i]):
             raise CheckpointStorageError(f"{where}: chunk {i} fails its CRC32 (corrupt)")
-    return data
+    return data[lo - first * chunk:hi - first * chunk]
+
+
+def _row_span(shape: tuple[int, ...], offsets, lengths) -> tuple[int, int] | None:
+    """The element range [lo, hi) of a hyperslab that cuts the first dimension only (an FSDP shard
+    of a row-major tensor is one), else None."""
+    if any(o != 0 or n != d for o, n, d in zip(offsets[1:], lengths[1:], shape[1:])) or not shape:
+        return None
+    row = int(np.prod(shape[1:], dtype=np.int64))
+    return offsets[0] * row, (offsets[0] + lengths[0]) * row
 
 
 def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
@@ -91,12 +106,22 @@ def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
 
 
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class H5Writer(StorageWriter):
     """DCP's storage writer: one HDF5 file per saving rank in `folder` (see the module docstring)."""
 
-    def __init__(self, folder: str | os.PathLike, run_id: str | None = None, chunk_mb: int = 4):
+    def __init__(self, folder: str | os.PathLike, run_id: str | None = None, chunk_mb: int = 4,
+                 fsync: bool = False):
         super().__init__()
         self.folder, self.run_id, self.chunk_bytes = str(folder), run_id, chunk_mb << 20
+        self.fsync = fsync                   # a checkpoint's files reach the disk before it counts
         self.is_coordinator = False
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -135,6 +160,8 @@ class H5Writer(StorageWriter):
                                  shape=np.asarray(data.shape, dtype=np.int64), dtype=_dtype_name(data.dtype))
                 results.append(WriteResult(index=item.index, size_in_bytes=int(f[dataset].shape[0]),
                                            storage_data=ItemLocation(name, dataset)))
+        if self.fsync:
+            _fsync(tmp)
         os.replace(tmp, path)
         fut: Future = Future()
         fut.set_result(results)
@@ -147,6 +174,8 @@ class H5Writer(StorageWriter):
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             pickle.dump({"format": FORMAT, "run_id": self.run_id or "", "metadata": metadata}, f)
             f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -164,6 +193,7 @@ class H5Reader(StorageReader):
         super().__init__()
         self.folder, self.run_id = str(folder), run_id
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
+        self.bytes_read = 0                 # of the datasets' contents, by this rank
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -213,16 +243,27 @@ class H5Reader(StorageReader):
     def _read_item(self, f: h5py.File, path: str, item: ReadItem, planner: LoadPlanner) -> None:
         where = f"{path}:{self.storage_data[item.storage_index].dataset}"
         ds = f[self.storage_data[item.storage_index].dataset]
-        raw = _read_bytes(ds, where)
         if item.type == LoadItemType.BYTE_IO:
+            raw = _read_bytes(ds, where)
+            self.bytes_read += raw.size
             planner.load_bytes(item, io.BytesIO(raw.tobytes()))
             return
         dtype = getattr(torch, ds.attrs["dtype"])
-        # the bytes read, reinterpreted in place (no copy of a shard that may be gigabytes)
-        saved = torch.from_numpy(raw).view(dtype) if raw.size else torch.empty(0, dtype=dtype)
-        saved = saved.reshape(tuple(int(x) for x in ds.attrs["shape"]))
-        for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-            saved = saved.narrow(dim, offset, length)
+        shape = tuple(int(x) for x in ds.attrs["shape"])
+        span = _row_span(shape, list(item.storage_offsets), list(item.lengths))
+        if span is not None:     # only the rows asked for: a rank reads what overlaps its new shard
+            size = torch.empty((), dtype=dtype).element_size()
+            raw = _read_bytes(ds, where, span[0] * size, span[1] * size)
+            saved = (torch.from_numpy(raw).view(dtype) if raw.size else torch.empty(0, dtype=dtype))
+            saved = saved.reshape((item.lengths[0], *shape[1:]))
+        else:
+            raw = _read_bytes(ds, where)
+            # the bytes read, reinterpreted in place (no copy of a shard that may be gigabytes)
+            saved = torch.from_numpy(raw).view(dtype) if raw.size else torch.empty(0, dtype=dtype)
+            saved = saved.reshape(shape)
+            for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                saved = saved.narrow(dim, offset, length)
+        self.bytes_read += raw.size
         target = planner.resolve_tensor(item).detach()
         if target.size() != saved.size():
             raise CheckpointStorageError(f"{where}: holds {tuple(saved.shape)} where {tuple(target.shape)} is read")

@@ -30,12 +30,29 @@ class FlatLayout:
             total += p.numel()
         return cls(tuple(names), tuple(shapes), tuple(offsets), total)
 
-    def views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) views of `flat` in parameter order (no copies)."""
+    def views(self, flat: torch.Tensor, lo: int = 0, hi: int | None = None) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) views of `flat` in parameter order (no copies); of parameters lo..hi-1
+        only when given, `flat` then holding just those (a weight-sync bucket)."""
+        hi = len(self.names) if hi is None else hi
+        base = self.offsets[lo] if lo < len(self.offsets) else self.numel
         out = []
-        for name, shape, off in zip(self.names, self.shapes, self.offsets):
+        for name, shape, off in zip(self.names[lo:hi], self.shapes[lo:hi], self.offsets[lo:hi]):
             n = int(torch.Size(shape).numel())
-            out.append((name, flat[off:off + n].view(shape)))
+            out.append((name, flat[off - base:off - base + n].view(shape)))
+        return out
+
+    def span(self, lo: int, hi: int) -> int:
+        """Elements of parameters lo..hi-1."""
+        return (self.offsets[hi] if hi < len(self.offsets) else self.numel) - self.offsets[lo]
+
+    def buckets(self, max_bytes: int, element_size: int = 4) -> list[tuple[int, int]]:
+        """Parameter index ranges [lo, hi) of at most `max_bytes` each, in order (a parameter
+        larger than that alone): the weight sync's unit."""
+        out, lo = [], 0
+        for i in range(1, len(self.names) + 1):
+            if i == len(self.names) or self.span(lo, i + 1) * element_size > max_bytes:
+                out.append((lo, i))
+                lo = i
         return out
 
 

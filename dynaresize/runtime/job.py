@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import pickle
+import shutil
 import socket
 import time
 
@@ -28,9 +29,10 @@ from . import checkpoint, preemption
 from .comm import ControlPlane
 from ..config import JobConfig, to_yaml
 from .flat import FlatLayout
+from .fsdp import FullyShardedTrainer
 from .groups import GroupRegistry
-from ..data.model import (eos_token_ids, import_model_code, load_model, model_skeleton, prepare_checkpoint,
-                          save_model)
+from ..data.model import (empty_model, eos_token_ids, import_model_code, load_model, model_skeleton,
+                          prepare_checkpoint, save_model)
 from ..plan.costmodel import CostModel
 from ..plan.hardware import job_profile
 from ..plan.policy import POLICIES, Decision, IterationStats, make_policy, resolve_migration
@@ -131,17 +133,16 @@ class Job:
             self.layout = FlatLayout.of(model_skeleton(self.model_dir))
             # the model a switch plan prices: the profile's when emulating, else this one
             self.priced_numel = self.cost.numel if self.cost else self.layout.numel
-            weights = checkpoint.load_flat_params(resume, self.layout.numel) if resume else None
+            # the full weights of a resumed run, for an engine (and every ZeRO-1 trainer)
+            needs_weights = table.generates(self.rank) or not self.sharded or cfg.trainer.work_stealing
+            weights = checkpoint.load_flat_params(resume, self.layout) if resume and needs_weights else None
             engine = trainer = None
             if table.generates(self.rank):
                 self.set_status("engine_start (startup)")
                 engine = self.new_engine(weights)
             if table.trains(self.rank):
                 self.set_status("trainer_start (startup)")
-                trainer = self.new_trainer(weights)
-                shard = checkpoint.load_shard(resume, self.layout.numel, table.train_ranks().index(self.rank)) \
-                    if resume else None
-                trainer.join(self.registry.get("train", table.num_train), table.train_ranks(), self.rank, shard)
+                trainer = self._start_trainer(table, resume, weights)
             self.state = RankState(table, engine, trainer)
             if cfg.trainer.work_stealing and trainer is None:
                 self.helper = self.new_trainer(weights)
@@ -193,7 +194,12 @@ class Job:
         return self.state.engine
 
     @property
-    def trainer(self) -> ShardedTrainer | None:
+    def sharded(self) -> bool:
+        """trainer.sharding=full: FSDP2's trainer (fsdp.py), else ZeRO-1's (trainer.py)."""
+        return self.cfg.trainer.sharding == "full"
+
+    @property
+    def trainer(self) -> ShardedTrainer | FullyShardedTrainer | None:
         return self.state.trainer
 
     def new_engine(self, weights: torch.Tensor | None = None):
@@ -204,8 +210,29 @@ class Job:
             engine.load_weights(self.layout.views(weights))
         return engine
 
+    def _start_trainer(self, table: RoleTable, resume, weights: torch.Tensor | None):
+        """This rank's trainer at start-up: in the train group of `table`, with the model's
+        initial weights or the checkpoint's state."""
+        group, ranks = self.registry.get("train", table.num_train), table.train_ranks()
+        if self.sharded:
+            trainer = self.new_sharded_trainer(group, ranks, empty=resume is not None)
+            if resume is not None:
+                trainer.load(checkpoint.train_state_dir(resume.path), resume.run_id)
+            return trainer
+        trainer = self.new_trainer(weights)
+        shard = checkpoint.load_shard(resume, self.layout.numel, ranks.index(self.rank)) if resume else None
+        trainer.join(group, ranks, self.rank, shard)
+        return trainer
+
+    def new_sharded_trainer(self, group, ranks: list[int], empty: bool = False) -> FullyShardedTrainer:
+        """trainer.sharding=full: a trainer of this job's model sharded over `group` (global ranks
+        `ranks`): the initial weights, or `empty` (no weights held: its load() fills them)."""
+        model = empty_model(self.model_dir) if empty else load_model(self.model_dir, "float32", self.device)
+        return FullyShardedTrainer(model, self.cfg.trainer, self.cfg.rollout.temperature, self.device, group,
+                                   ranks, self.rank, compute_dtype=self.cfg.model.dtype)
+
     def new_trainer(self, weights: torch.Tensor | None = None) -> ShardedTrainer:
-        """A trainer of this job's model (float32 master weights), not yet in a train group."""
+        """A ZeRO-1 trainer of this job's model (float32 master weights), not yet in a train group."""
         model = load_model(self.model_dir, "float32", self.device)
         trainer = ShardedTrainer(model, self.cfg.trainer, self.cfg.rollout.temperature, self.device)
         if weights is not None:
@@ -480,9 +507,15 @@ class Job:
         inject_fault(self.rank, "weight_sync")      # tests: a rank dies at the stage's first line
         if self.table.colocated_mode:
             return                                   # every rank holds the trainer's weights already
+        group = self.registry.get("sync", self.table.num_train)
+        if self.sharded:                             # every train rank gathers, bucket by bucket
+            with self.rec.span(it, "weight_sync", self.role) as ev:
+                ev["bytes"] = self._sync_buckets(group)
+                if self.cost:
+                    self.emulate(ev, self.cost.weight_sync_time(ranks=1 + self.table.num_rollout))
+            return
         if self.rank != 0 and not self.table.generates(self.rank):
             return
-        group = self.registry.get("sync", self.table.num_train)
         with self.rec.span(it, "weight_sync", self.role) as ev:
             flat = (self.trainer.flat if self.rank == 0 else self.helper.flat if self.helper is not None
                     else torch.empty(self.layout.numel, device=self.device))
@@ -492,6 +525,22 @@ class Job:
             ev["bytes"] = flat.numel() * flat.element_size()
             if self.cost:
                 self.emulate(ev, self.cost.weight_sync_time(ranks=1 + self.table.num_rollout))
+
+    def _sync_buckets(self, group) -> int:
+        """sharding=full: the weights in buckets of trainer.weight_sync_bucket_mb, each gathered
+        from the shards by the train group and broadcast by train rank 0 to the rollout ranks (the
+        `sync` group), which load it into their engines; the bytes this rank sent or received."""
+        layout, moved = self.layout, 0
+        buckets = layout.buckets(self.cfg.trainer.weight_sync_bucket_mb << 20)
+        gathered = self.trainer.gathered_buckets(layout, buckets) if self.trainer is not None else None
+        for lo, hi in buckets:
+            flat = next(gathered) if gathered is not None else torch.empty(layout.span(lo, hi), device=self.device)
+            if self.rank == 0 or self.engine is not None:
+                dist.broadcast(flat, src=0, group=group)
+                moved += flat.numel() * flat.element_size()
+            if self.engine is not None:
+                self.engine.load_weights(layout.views(flat, lo, hi))
+        return moved
 
     def evaluate(self, it: int) -> None:
         """Held-out evaluation (eval.*) with the weights of this iteration's sync: the generating
@@ -612,7 +661,9 @@ class Job:
 
     def _remove_staged_files(self) -> None:
         for path in self.staged_files:
-            if os.path.exists(path):
+            if os.path.isdir(path):         # a fully sharded trainer's folder (rank 0 may be first)
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
                 os.remove(path)
         self.staged_files = []
 
@@ -620,9 +671,8 @@ class Job:
         self.settle_background()
         self.set_status("finish (saving the model, closing the timeline)")
         self._remove_staged_files()
-        if self.rank == 0 and self.cfg.run.save_model:
-            final = os.path.join(self.run_dir, "final_model")
-            save_model(self.trainer.model, final, tokenizer_from=self.model_dir)
+        if self.cfg.run.save_model:
+            self._save_final_model(os.path.join(self.run_dir, "final_model"))
         self.ctrl.barrier()
         if self.writer is not None:
             self.writer.close(complete=True, end_time=self.ctrl.now(),
@@ -635,6 +685,19 @@ class Job:
         self._remove_staging()
         dist.destroy_process_group()
         self.set_status("finished")
+
+    def _save_final_model(self, path: str) -> None:
+        """final_model/ in the Hugging Face format, written by rank 0 (a train rank); the fully
+        sharded trainer's weights are gathered into rank 0's host memory first (collective)."""
+        if not self.sharded:
+            if self.rank == 0:
+                save_model(self.trainer.model, path, tokenizer_from=self.model_dir)
+            return
+        full = self.trainer.full_state_dict() if self.trainer is not None else None
+        if self.rank == 0:
+            model = load_model(self.model_dir, "float32", "cpu")
+            model.load_state_dict(full)
+            save_model(model, path, tokenizer_from=self.model_dir)
 
     def _print_closing_summary(self) -> None:
         """Rank 0, after the timeline is closed: the run in three lines, and its report."""

@@ -1,6 +1,11 @@
 """The switch, executed: each operation of the plan (dynaresize.plan.switchplan) that involves this
 rank, in the plan's order, timed on the timeline as critical or background.
 
+With the fully sharded trainer (`trainer.sharding=full`) stage_out and stage_in save and load the
+train groups' shards through torch.distributed.checkpoint (fsdp.py), and a rank leaving training
+reads its engine's weights from those files (switchplan._full_reshard says why all of it is
+critical).
+
 A background operation runs in a thread and is waited for where its result is needed (the staged
 optimizer range at the optimizer step); only the part the main thread waited for is recorded as
 critical. A rank that fails anywhere in the switch aborts the whole job (see worker.py), so two
@@ -23,6 +28,7 @@ import torch.distributed as dist
 from ..plan import switchplan
 from ..plan.policy import Decision
 from ..plan.roles import RoleTable
+from .fsdp import load_full_weights
 from .staging import STATE_FIELDS, read_shard, shard_path, write_shard
 from ..plan.switchplan import shard_range
 from ..timeline.schema import BACKGROUND, CRITICAL
@@ -30,6 +36,7 @@ from .types import ShardState
 
 if TYPE_CHECKING:
     from .rollout.base import RolloutEngine
+    from .fsdp import FullyShardedTrainer
     from .trainer import ShardedTrainer
 
 # Fault injection for tests: "RANK:OPERATION" makes that rank die (SIGKILL) when it starts that op.
@@ -42,7 +49,7 @@ class RankState:
     it (`resize.switch` takes the state and the plan and returns the next state)."""
     table: RoleTable                          # the role table this rank runs under
     engine: Optional["RolloutEngine"]         # generating (the table says it generates)
-    trainer: Optional["ShardedTrainer"]       # training: its shard of the optimizer state
+    trainer: Optional["ShardedTrainer | FullyShardedTrainer"]   # training: its shard of the state
     parked_engine: Optional["RolloutEngine"] = None   # released by a switch, kept for a return to rollout
     parked_ranks: frozenset = frozenset()     # every rank holding a parked engine, as the switch plans see them
 
@@ -168,7 +175,8 @@ def switch(job, it: int, decision: Decision, registry=None, staging=None) -> Ran
                          transport=switchplan.transport(staging.transport, job.ctrl.hostnames,
                                                         max(old.num_train, new.num_train)),
                          numel=job.priced_numel,
-                         release_mode=job.cfg.rollout.release, staging_critical=staging.critical)
+                         release_mode=job.cfg.rollout.release, staging_critical=staging.critical,
+                         sharding=job.cfg.trainer.sharding)
     run = SwitchRun(job, OpTimer(job, it, old, new), sp, registry, staging)
     for op in sp.for_rank(job.rank):
         getattr(run, op.name)(op)
@@ -187,7 +195,10 @@ class SwitchRun:
         self.state = dataclasses.replace(job.state)
         self.k, self.k2, self.r = sp.old.num_train, sp.new.num_train, job.rank
         self.was_train, self.will_train = sp.old.trains(self.r), sp.new.trains(self.r)
-        self.shard = self.state.trainer.export_shard() if self.was_train else None
+        # trainer.sharding=full: the trainers of both groups exchange their state through this folder
+        self.sharded = job.cfg.trainer.sharding == "full"
+        self.folder = os.path.join(job.staging_dir, f"train-v{sp.new.version}")
+        self.shard = self.state.trainer.export_shard() if self.was_train and not self.sharded else None
         self.new_shard = None            # this rank's new range, when resharded over the network
         self.pending = None              # ... or being staged in
 
@@ -216,6 +227,8 @@ class SwitchRun:
             ev["bytes"] = switchplan.reshard_load(job.layout.numel, self.k, self.k2)[0][self.r]
 
     def stage_out(self, op) -> None:
+        if self.sharded:
+            return self._save_sharded(op)
         job, staging = self.job, self.staging
         path = shard_path(job.staging_dir, self.sp.new.version, self.r)
         price = op.price_for(self.r)
@@ -244,6 +257,10 @@ class SwitchRun:
     def weight_load(self, op) -> None:
         job, state = self.job, self.state
         with self.timer.op(op.name, price=op.price) as ev:
+            if self.sharded:             # leaving training: the full weights, from the saved shards
+                flat, ev["bytes"] = load_full_weights(self.folder, job.run_id, job.layout, job.device)
+                state.engine.load_weights(job.layout.views(flat))
+                return
             if not op.collective:        # leaving training: its own weights into its engine
                 state.engine.load_weights(job.layout.views(state.trainer.flat))
             else:                        # the new train set gets train rank 0's weights
@@ -253,6 +270,8 @@ class SwitchRun:
             ev["bytes"] = job.layout.numel * 4
 
     def stage_in(self, op) -> None:      # this rank's new range, from the files of its old owners
+        if self.sharded:
+            return self._load_sharded(op)
         job = self.job
         numel, version, k = job.layout.numel, self.sp.new.version, self.k
         lo, hi = shard_range(numel, self.k2, self.sp.new.train_ranks().index(self.r))
@@ -268,13 +287,35 @@ class SwitchRun:
 
         self.pending = self.timer.background(op.name, read, critical=op.critical)
 
+    def _save_sharded(self, op) -> None:
+        """sharding=full: the old train group saves its shards (DCP, collective); then every rank
+        of the train block [0, max(k, k')) agrees that the save is complete before reading it."""
+        job = self.job
+        with self.timer.op(op.name, price=op.price) as ev:
+            ev["bytes"] = self.state.trainer.save(self.folder, job.run_id, self.staging.buffer_mb)
+            dist.barrier(group=train_block(self.registry, max(self.k, self.k2), job.world))
+        self.state.trainer = None        # its state is in the files; the new group's trainers load it
+        job.staged_files.append(self.folder)
+
+    def _load_sharded(self, op) -> None:
+        """sharding=full: a trainer of the new group, its shards loaded from the old group's files
+        (DCP computes which saved rows fill them)."""
+        job = self.job
+        with self.timer.op(op.name, price=op.price) as ev:
+            if not self.was_train:       # joining: the save is complete once the block agrees
+                dist.barrier(group=train_block(self.registry, max(self.k, self.k2), job.world))
+            trainer = job.new_sharded_trainer(self.registry.get("train", self.k2), self.sp.new.train_ranks(),
+                                              empty=True)
+            ev["bytes"] = trainer.load(self.folder, job.run_id)
+        self.state.trainer = trainer
+
     def finish(self) -> RankState:
         """The rank's new state: its trainer joins the new train group (its range still arriving,
         maybe), or it is gone; the groups of the old split go (without reuse); the new table."""
         job, state = self.job, self.state
         if self.was_train and not self.will_train:
             state.trainer = None
-        if self.will_train:
+        if self.will_train and not self.sharded:
             pending = self.pending if self.pending is not None else Done(self.new_shard)
             state.trainer.join(self.registry.get("train", self.k2), self.sp.new.train_ranks(), self.r, pending=pending)
         self.registry.release_unreused(self.k)
@@ -294,7 +335,7 @@ def reshard_over_network(job, registry, shard: ShardState | None, k: int, k2: in
     it sends or receives (old and new ranges differ), as NCCL asks of a group's first batched call.
     """
     r = job.rank
-    group = registry.get("train", max(k, k2)) if max(k, k2) < job.world else dist.group.WORLD
+    group = train_block(registry, max(k, k2), job.world)
     lo, hi = shard_range(numel, k2, r) if r < k2 else (0, 0)
     parts = {name: torch.zeros(hi - lo, device=job.device) for name in STATE_FIELDS}
     step = shard.step if shard is not None else None
@@ -323,6 +364,11 @@ def reshard_over_network(job, registry, shard: ShardState | None, k: int, k2: in
     if r >= k2:
         return None
     return ShardState(lo, hi, parts["params"], parts["exp_avg"], parts["exp_avg_sq"], step)
+
+
+def train_block(registry, ranks: int, world: int):
+    """The group of ranks [0, ranks): the train group of that split, or every rank."""
+    return registry.get("train", ranks) if ranks < world else dist.group.WORLD
 
 
 def colocated_release(job, it: int) -> None:

@@ -19,6 +19,8 @@ changes who computes what, never what is computed. Resizing moves ranges (see st
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
@@ -91,14 +93,13 @@ def micro_batch_tokens(mb: list[Sample]) -> int:
     return sum(len(s.prompt_tokens) + len(s.response) for s in mb)
 
 
-class ShardedTrainer:
+class GRPOTrainer:
+    """The GRPO loss of a micro-batch and its forward/backward, shared by both trainers: the
+    ZeRO-1 trainer below and FSDP2's (fsdp.py). A subclass decides where gradients go."""
+
     def __init__(self, model, cfg: TrainerConfig, temperature: float, device: str = "cpu"):
         self.model, self.cfg, self.device = model.train(), cfg, device
         self.temperature = temperature if temperature > 0 else 1.0
-        self.layout = FlatLayout.of(model)
-        self.flat = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
-        bind_model_to_flat(model, self.layout, self.flat)
-        self.reduce_dtype = REDUCE_DTYPES[cfg.grad_reduce_dtype]
         if cfg.activation_checkpointing:     # each decoder layer keeps its input; backward recomputes the rest
             if hasattr(model, "activation_checkpointing_enable"):      # its name from transformers 5 on
                 model.activation_checkpointing_enable({"use_reentrant": False})
@@ -106,78 +107,23 @@ class ShardedTrainer:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.ref_model = None
         if cfg.kl_coef > 0:
-            import copy
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        self.group, self.group_ranks, self.index = None, [0], 0
-        self.shard: ShardState | None = None
-        self.optimizer: torch.optim.AdamW | None = None
-        self._pending = None
 
-    def resolve_pending(self) -> None:
-        """Wait for a shard being staged in (if any) and install it."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._install(pending.wait())
-
-    # --- membership -------------------------------------------------------------------------
-    def join(self, group, group_ranks: list[int], my_rank: int, shard: ShardState | None = None,
-             pending=None) -> None:
-        """Become train rank `group_ranks.index(my_rank)` of `group`, owning `shard` (fresh if None).
-
-        `pending` (an object with .wait() -> ShardState) delivers the shard later: a resize stages
-        it in while this rank already computes gradients; it is needed only at the optimizer step.
-        """
-        self.group, self.group_ranks, self.index = group, list(group_ranks), group_ranks.index(my_rank)
-        self._pending = pending
-        if pending is not None:
-            self.shard, self.optimizer = None, None
-            return
-        self._install(shard)
-
-    def _install(self, shard: ShardState | None) -> None:
-        lo, hi = self.my_range()
-        if shard is None:
-            shard = ShardState(lo, hi, self.flat[lo:hi].clone(), torch.zeros(hi - lo, device=self.device),
-                               torch.zeros(hi - lo, device=self.device), 0)
-        assert (shard.lo, shard.hi) == (lo, hi), f"shard {shard.lo}:{shard.hi} is not my range {lo}:{hi}"
-        self.shard = shard
-        self._make_optimizer()
-
-    def my_range(self, shards: int | None = None, index: int | None = None) -> tuple[int, int]:
-        shards = len(self.group_ranks) if shards is None else shards
-        return shard_range(self.layout.numel, shards, self.index if index is None else index)
-
-    def _make_optimizer(self) -> None:
-        s, c = self.shard, self.cfg
-        master = s.params.requires_grad_(True)
-        self.optimizer = torch.optim.AdamW([master], lr=c.lr, betas=tuple(c.betas), eps=c.eps,
-                                           weight_decay=c.weight_decay, foreach=False)
-        if s.step > 0:
-            self.optimizer.state[master] = {"step": torch.tensor(float(s.step)), "exp_avg": s.exp_avg,
-                                            "exp_avg_sq": s.exp_avg_sq}
-
-    def leave(self) -> None:
-        """Leave the train group (its optimizer state staged out): the model and its weights stay,
-        e.g. for a rollout rank to compute stolen micro-batches with (stealing.py)."""
-        self.group, self.group_ranks, self.index = None, [0], 0
-        self.shard = self.optimizer = self._pending = None
-
-    def export_shard(self) -> ShardState:
-        """The optimizer state of this rank's range, e.g. to stage it out when leaving training."""
-        self.resolve_pending()
-        master = self.shard.params
-        state = self.optimizer.state.get(master, {})
-        step = int(state["step"].item()) if "step" in state else 0
-        zeros = torch.zeros_like(master)
-        return ShardState(self.shard.lo, self.shard.hi, master.detach(),
-                          state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros), step)
-
-    # --- one policy update --------------------------------------------------------------------
-    def train_step(self, samples: list[Sample]) -> dict:
-        """One GRPO update on the global batch `samples` (every train rank passes the same list)."""
-        grad, info = self.compute_gradient(samples)
-        self.apply_gradient(grad)
-        return info
+    def _forward_backward(self, mb: list[Sample], advantages: dict[int, float], total_tokens: int,
+                          stats: dict[str, float] | None) -> float:
+        """Forward and backward of micro-batch `mb` (its share of the batch loss); its per-token
+        sums go into `stats`. With `stats` None the pass only keeps collectives in step: its loss
+        is multiplied by zero and nothing is counted (FSDP2's padding passes)."""
+        # verl's old_log_prob pass: behaviour log-probs from the weights about to be updated, not
+        # the engine's. Each depends on its micro-batch and the weights only (split-invariant).
+        old_logp = self._old_logprobs(mb) if self.cfg.recompute_logprobs else None
+        loss, mb_stats = self._micro_batch_loss(mb, advantages, total_tokens, old_logp)
+        if stats is None:
+            loss = loss * 0.0
+        else:
+            add_step_sums(stats, {**mb_stats, "loss": float(loss.detach())})
+        loss.backward()
+        return float(loss.detach())
 
     def micro_batches(self, samples: list[Sample]) -> tuple[list[list[Sample]], list[int]]:
         """The micro-batches of the batch (index order, `micro_batch_size` samples each) and the
@@ -185,85 +131,6 @@ class ShardedTrainer:
         micro_batches = cut_micro_batches(samples, self.cfg.micro_batch_size)
         owners = assign_micro_batches([micro_batch_tokens(mb) for mb in micro_batches], len(self.group_ranks))
         return micro_batches, owners.tolist()
-
-    def compute_gradient(self, samples: list[Sample], queue=None, each=None) -> tuple[torch.Tensor, dict]:
-        """The clipped gradient of the whole batch, summed over the train group (same on every rank).
-
-        `queue` (stealing.MicroBatchQueue): take micro-batches from the step's shared queue instead
-        of the fixed assignment, and add to this rank's range the sums of the helpers that took some.
-        `each(index, tokens)` is called after each micro-batch (the timeline, emulation)."""
-        if queue is None:
-            micro_batches, owners = self.micro_batches(samples)
-            taken = (i for i, o in enumerate(owners) if o == self.index)
-        else:
-            micro_batches, taken = cut_micro_batches(samples, self.cfg.micro_batch_size), iter(queue)
-        grad, info = self._accumulate(samples, micro_batches, taken, each)
-        helpers = queue.helpers(self.group_ranks) if queue is not None else []
-        if helpers:                        # each helper sends this rank its range of its sum
-            lo, hi = self.my_range()
-            parts = [torch.empty(hi - lo, dtype=grad.dtype, device=grad.device) for _ in helpers]
-            for work in [dist.irecv(part, src=h) for part, h in zip(parts, helpers)]:
-                work.wait()
-            for part in parts:             # in rank order, whichever arrived first
-                grad[lo:hi] += part
-        if len(self.group_ranks) > 1:
-            dist.all_reduce(grad, group=self.group)
-        grad_norm = clipped_norm = float(grad.norm())
-        if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
-            grad.mul_(self.cfg.grad_clip / (grad_norm + 1e-6))
-            clipped_norm = float(grad.norm())
-        return grad.to(torch.float32), {**info, "grad_norm": grad_norm, "grad_norm_clipped": clipped_norm,
-                                        "helpers": helpers}
-
-    def help_step(self, samples: list[Sample], queue, train_ranks: list[int], each=None) -> dict:
-        """Work stealing, on a rank outside the train group: the gradients of the micro-batches it
-        takes from `queue`, summed; if it took any, each train rank (global ranks `train_ranks`)
-        gets its range of the sum (the ranges of the optimizer shards)."""
-        micro_batches = cut_micro_batches(samples, self.cfg.micro_batch_size)
-        grad, info = self._accumulate(samples, micro_batches, iter(queue), each)
-        if info["micro_batches"]:
-            k = len(train_ranks)
-            ranges = [shard_range(self.layout.numel, k, j) for j in range(k)]
-            for work in [dist.isend(grad[lo:hi], dst=r) for (lo, hi), r in zip(ranges, train_ranks)]:
-                work.wait()
-        return info
-
-    def _accumulate(self, samples: list[Sample], micro_batches: list[list[Sample]], taken, each):
-        """Forward/backward of the micro-batches `taken` (indices), gradients summed into a flat
-        buffer in grad_reduce_dtype; the loss is normalised by the whole batch's tokens."""
-        advantages = group_advantages(samples)
-        total_tokens = sum(len(s.response) for s in samples)
-        grad = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
-        loss_sum, trained_tokens, count = 0.0, 0, 0
-        stats: dict[str, float] = {}
-        for i in taken:
-            mb = micro_batches[i]
-            # verl's old_log_prob pass: behaviour log-probs from the weights about to be updated, not
-            # the engine's. Each depends on its micro-batch and the weights only (split-invariant).
-            old_logp = self._old_logprobs(mb) if self.cfg.recompute_logprobs else None
-            loss, mb_stats = self._micro_batch_loss(mb, advantages, total_tokens, old_logp)
-            add_step_sums(stats, mb_stats)
-            loss.backward()
-            for (_, view), (_, p) in zip(self.layout.views(grad), trainable_parameters(self.model)):
-                if p.grad is not None:
-                    view.add_(p.grad.to(self.reduce_dtype))
-                    p.grad = None
-            loss_sum += float(loss.detach())
-            stats["loss"] = stats.get("loss", 0.0) + float(loss.detach())
-            trained_tokens += micro_batch_tokens(mb)
-            count += 1
-            if each is not None:
-                each(i, micro_batch_tokens(mb))
-        return grad, {"loss": loss_sum, "tokens": trained_tokens, "micro_batches": count, "sums": stats}
-
-    def apply_gradient(self, grad: torch.Tensor) -> None:
-        """AdamW on this rank's range of `grad`, then all-gather the ranges into the full weights."""
-        self.resolve_pending()
-        master = self.shard.params
-        master.grad = grad[self.shard.lo:self.shard.hi].clone()
-        self.optimizer.step()
-        master.grad = None
-        self._gather_flat()
 
     def _pad(self, mb: list[Sample]):
         """A micro-batch as padded tensors: token ids and attention mask [n, width], and the
@@ -349,6 +216,157 @@ class ShardedTrainer:
             return taken
         with torch.no_grad():
             return taken, -(logp.exp() * logp).sum(-1)
+
+
+class ShardedTrainer(GRPOTrainer):
+    def __init__(self, model, cfg: TrainerConfig, temperature: float, device: str = "cpu"):
+        super().__init__(model, cfg, temperature, device)
+        self.layout = FlatLayout.of(model)
+        self.flat = torch.zeros(self.layout.numel, dtype=torch.float32, device=device)
+        bind_model_to_flat(model, self.layout, self.flat)
+        self.reduce_dtype = REDUCE_DTYPES[cfg.grad_reduce_dtype]
+        self.group, self.group_ranks, self.index = None, [0], 0
+        self.shard: ShardState | None = None
+        self.optimizer: torch.optim.AdamW | None = None
+        self._pending = None
+
+    def resolve_pending(self) -> None:
+        """Wait for a shard being staged in (if any) and install it."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._install(pending.wait())
+
+    # --- membership -------------------------------------------------------------------------
+    def join(self, group, group_ranks: list[int], my_rank: int, shard: ShardState | None = None,
+             pending=None) -> None:
+        """Become train rank `group_ranks.index(my_rank)` of `group`, owning `shard` (fresh if None).
+
+        `pending` (an object with .wait() -> ShardState) delivers the shard later: a resize stages
+        it in while this rank already computes gradients; it is needed only at the optimizer step.
+        """
+        self.group, self.group_ranks, self.index = group, list(group_ranks), group_ranks.index(my_rank)
+        self._pending = pending
+        if pending is not None:
+            self.shard, self.optimizer = None, None
+            return
+        self._install(shard)
+
+    def _install(self, shard: ShardState | None) -> None:
+        lo, hi = self.my_range()
+        if shard is None:
+            shard = ShardState(lo, hi, self.flat[lo:hi].clone(), torch.zeros(hi - lo, device=self.device),
+                               torch.zeros(hi - lo, device=self.device), 0)
+        assert (shard.lo, shard.hi) == (lo, hi), f"shard {shard.lo}:{shard.hi} is not my range {lo}:{hi}"
+        self.shard = shard
+        self._make_optimizer()
+
+    def my_range(self, shards: int | None = None, index: int | None = None) -> tuple[int, int]:
+        shards = len(self.group_ranks) if shards is None else shards
+        return shard_range(self.layout.numel, shards, self.index if index is None else index)
+
+    def _make_optimizer(self) -> None:
+        s, c = self.shard, self.cfg
+        master = s.params.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW([master], lr=c.lr, betas=tuple(c.betas), eps=c.eps,
+                                           weight_decay=c.weight_decay, foreach=False)
+        if s.step > 0:
+            self.optimizer.state[master] = {"step": torch.tensor(float(s.step)), "exp_avg": s.exp_avg,
+                                            "exp_avg_sq": s.exp_avg_sq}
+
+    def leave(self) -> None:
+        """Leave the train group (its optimizer state staged out): the model and its weights stay,
+        e.g. for a rollout rank to compute stolen micro-batches with (stealing.py)."""
+        self.group, self.group_ranks, self.index = None, [0], 0
+        self.shard = self.optimizer = self._pending = None
+
+    def export_shard(self) -> ShardState:
+        """The optimizer state of this rank's range, e.g. to stage it out when leaving training."""
+        self.resolve_pending()
+        master = self.shard.params
+        state = self.optimizer.state.get(master, {})
+        step = int(state["step"].item()) if "step" in state else 0
+        zeros = torch.zeros_like(master)
+        return ShardState(self.shard.lo, self.shard.hi, master.detach(),
+                          state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros), step)
+
+    # --- one policy update --------------------------------------------------------------------
+    def train_step(self, samples: list[Sample]) -> dict:
+        """One GRPO update on the global batch `samples` (every train rank passes the same list)."""
+        grad, info = self.compute_gradient(samples)
+        self.apply_gradient(grad)
+        return info
+
+    def compute_gradient(self, samples: list[Sample], queue=None, each=None) -> tuple[torch.Tensor, dict]:
+        """The clipped gradient of the whole batch, summed over the train group (same on every rank).
+
+        `queue` (stealing.MicroBatchQueue): take micro-batches from the step's shared queue instead
+        of the fixed assignment, and add to this rank's range the sums of the helpers that took some.
+        `each(index, tokens)` is called after each micro-batch (the timeline, emulation)."""
+        if queue is None:
+            micro_batches, owners = self.micro_batches(samples)
+            taken = (i for i, o in enumerate(owners) if o == self.index)
+        else:
+            micro_batches, taken = cut_micro_batches(samples, self.cfg.micro_batch_size), iter(queue)
+        grad, info = self._accumulate(samples, micro_batches, taken, each)
+        helpers = queue.helpers(self.group_ranks) if queue is not None else []
+        if helpers:                        # each helper sends this rank its range of its sum
+            lo, hi = self.my_range()
+            parts = [torch.empty(hi - lo, dtype=grad.dtype, device=grad.device) for _ in helpers]
+            for work in [dist.irecv(part, src=h) for part, h in zip(parts, helpers)]:
+                work.wait()
+            for part in parts:             # in rank order, whichever arrived first
+                grad[lo:hi] += part
+        if len(self.group_ranks) > 1:
+            dist.all_reduce(grad, group=self.group)
+        grad_norm = clipped_norm = float(grad.norm())
+        if self.cfg.grad_clip > 0 and grad_norm > self.cfg.grad_clip:
+            grad.mul_(self.cfg.grad_clip / (grad_norm + 1e-6))
+            clipped_norm = float(grad.norm())
+        return grad.to(torch.float32), {**info, "grad_norm": grad_norm, "grad_norm_clipped": clipped_norm,
+                                        "helpers": helpers}
+
+    def help_step(self, samples: list[Sample], queue, train_ranks: list[int], each=None) -> dict:
+        """Work stealing, on a rank outside the train group: the gradients of the micro-batches it
+        takes from `queue`, summed; if it took any, each train rank (global ranks `train_ranks`)
+        gets its range of the sum (the ranges of the optimizer shards)."""
+        micro_batches = cut_micro_batches(samples, self.cfg.micro_batch_size)
+        grad, info = self._accumulate(samples, micro_batches, iter(queue), each)
+        if info["micro_batches"]:
+            k = len(train_ranks)
+            ranges = [shard_range(self.layout.numel, k, j) for j in range(k)]
+            for work in [dist.isend(grad[lo:hi], dst=r) for (lo, hi), r in zip(ranges, train_ranks)]:
+                work.wait()
+        return info
+
+    def _accumulate(self, samples: list[Sample], micro_batches: list[list[Sample]], taken, each):
+        """Forward/backward of the micro-batches `taken` (indices), gradients summed into a flat
+        buffer in grad_reduce_dtype; the loss is normalised by the whole batch's tokens."""
+        advantages = group_advantages(samples)
+        total_tokens = sum(len(s.response) for s in samples)
+        grad = torch.zeros(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
+        loss_sum, trained_tokens, count = 0.0, 0, 0
+        stats: dict[str, float] = {}
+        for i in taken:
+            mb = micro_batches[i]
+            loss_sum += self._forward_backward(mb, advantages, total_tokens, stats)
+            for (_, view), (_, p) in zip(self.layout.views(grad), trainable_parameters(self.model)):
+                if p.grad is not None:
+                    view.add_(p.grad.to(self.reduce_dtype))
+                    p.grad = None
+            trained_tokens += micro_batch_tokens(mb)
+            count += 1
+            if each is not None:
+                each(i, micro_batch_tokens(mb))
+        return grad, {"loss": loss_sum, "tokens": trained_tokens, "micro_batches": count, "sums": stats}
+
+    def apply_gradient(self, grad: torch.Tensor) -> None:
+        """AdamW on this rank's range of `grad`, then all-gather the ranges into the full weights."""
+        self.resolve_pending()
+        master = self.shard.params
+        master.grad = grad[self.shard.lo:self.shard.hi].clone()
+        self.optimizer.step()
+        master.grad = None
+        self._gather_flat()
 
     def _gather_flat(self) -> None:
         """All-gather every rank's updated range into the full flat vector."""
