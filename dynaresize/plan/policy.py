@@ -101,8 +101,9 @@ class Policy:
         """What a checkpoint must hold to resume the policy exactly, as plain data (JSON)."""
         return {}
 
-    def load_state(self, state: dict) -> None:
-        pass
+    def load_state(self, state: dict, new_world_split: int | None = None) -> None:
+        """Resume from `state`; `new_world_split`: the run resumes on another number of ranks,
+        starting with this many train ranks."""
 
 
 class StaticPolicy(Policy):
@@ -410,9 +411,12 @@ class DynamicPolicy(Policy):
                 "anchor": self.anchor, "moved_from": self.moved_from, "since_move": self.since_move,
                 "realised": list(self.realised)}
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict, new_world_split: int | None = None) -> None:
         self.forecast.load_state(state["forecast"])
         self.scale = dict(state["scale"])
+        if new_world_split is not None:   # the lengths seen and the cost model's errors hold; splits and moves do not
+            self.engines_from = new_world_split
+            return
         self.engines_from = state["engines_from"]
         self.last_move = tuple(state["last_move"]) if state["last_move"] else None
         self.measured = set(state["measured"])

@@ -46,6 +46,9 @@ FIXED = ("cluster.ranks", "run.seed", "run.max_lag", "run.mode", "model", "workl
          "rollout.engine", "rollout.prompts_per_batch", "rollout.samples_per_prompt", "rollout.temperature",
          "rollout.ignore_eos", "hardware")
 FREE = ("data.val_files", "reward.timeout_s")   # inside FIXED, but they change nothing trained
+# The fully sharded trainer's checkpoint loads on any number of train ranks and no split changes
+# what is computed, so its runs may resume on another allocation (fewer nodes after a failure).
+FREE_SHARDED = ("cluster.ranks",)
 
 
 @dataclass
@@ -175,12 +178,16 @@ def check_resume(cfg: JobConfig) -> None:
         return
     then = _flat(OmegaConf.to_container(OmegaConf.create(resume.config)))
     now = _flat(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
+    free = FREE + (FREE_SHARDED if then.get("trainer.sharding") == now.get("trainer.sharding") == "full" else ())
     changed = [f"  {key}: {then.get(key)!r} in the checkpoint, {now.get(key)!r} now"
                for key in sorted(set(then) | set(now))
-               if key.startswith(FIXED) and not key.startswith(FREE) and then.get(key) != now.get(key)]
+               if key.startswith(FIXED) and not key.startswith(free) and then.get(key) != now.get(key)]
     if changed:
+        ranks = any(line.startswith("  cluster.ranks:") for line in changed)
         raise ConfigError(f"cannot resume {resume.path} with a configuration that computes something else:\n"
-                          + "\n".join(changed) + "\n  Fix: resume with the checkpoint's values (its "
+                          + "\n".join(changed) + ("\n  (a run with trainer.sharding=full resumes on any number "
+                                                   "of ranks; this one's checkpoint is for its own)" if ranks else "")
+                          + "\n  Fix: resume with the checkpoint's values (its "
                           f"configuration is in {os.path.join(cfg.run.output_dir, 'config.yaml')}), or start a "
                           f"fresh run directory")
 

@@ -123,7 +123,10 @@ class Job:
             self.model_dir = self._shared_model_dir()
             self.task = make_task(cfg, self.model_dir)          # where prompts come from
             self.score = Scorer(cfg.reward, self.task.decode, eos_token_ids(self.model_dir))
-            if resume is not None:
+            if resume is not None and resume.table.world != self.world:    # another allocation (sharding=full)
+                table = resumed_split(resume.table, self.world, cfg.policy.resize_unit)
+                self.policy.load_state(resume.policy_state, new_world_split=table.num_train)
+            elif resume is not None:
                 table = resume.table
                 self.policy.load_state(resume.policy_state)
             else:
@@ -150,7 +153,9 @@ class Job:
 
         self.first_iteration = resume.iteration + 1 if resume else 0
         self.pending_batch: list[Sample] = resume.pending_batch if resume else []
-        self.pending_decision: Decision | None = resume.pending_decision if resume else None
+        # a decision for the checkpoint's rank count does not apply to another: the policy decides anew
+        self.pending_decision: Decision | None = resume.pending_decision \
+            if resume and resume.table.world == self.world else None
         self._new_samples: list[Sample] = []
         self._step_sums: dict[str, float] = {}   # this iteration's train step, this rank's micro-batches
         self._step: dict[str, float] = {}        # rank 0: the step's batch-wide figures
@@ -172,8 +177,10 @@ class Job:
         if getattr(self.policy, "start_reason", "") and resume is None and self.rank == 0:
             print(f"[dynaresize] {self.policy.start_reason}", flush=True)
         if resume is not None and self.rank == 0:
+            other = (f" on {self.world} ranks, the checkpoint's run had {resume.table.world}"
+                     if resume.table.world != self.world else "")
             print(f"[dynaresize] resumed from {resume.path} (iterations 0-{resume.iteration} done, "
-                  f"split {self.table.describe()})", flush=True)
+                  f"split {self.table.describe()}{other})", flush=True)
 
     # --- start-up ----------------------------------------------------------------------------
     def _shared_model_dir(self) -> str:
@@ -248,7 +255,8 @@ class Job:
                 "dynaresize_version": __version__, "clock_origin": self.ctrl.t0}
         path = os.path.join(self.run_dir, TIMELINE_FILE)
         if resume is not None and os.path.exists(path):
-            return TimelineWriter(path, meta, resume_after=resume.iteration, attempt_start_s=self.attempt_start)
+            return TimelineWriter(path, meta, resume_after=resume.iteration, attempt_start_s=self.attempt_start,
+                                  world_size=self.world)
         return TimelineWriter(path, meta)
 
     @property
@@ -785,6 +793,13 @@ def batch_lengths(samples: list[Sample], rollout, trainer) -> Lengths:
         return Lengths(prompt_lens, response_lens, np.arange(min(ppb, prompts)))
     trained = np.asarray(differing_groups(samples)[:ppb], dtype=np.int64)
     return Lengths(prompt_lens, response_lens, trained, (ppb,) * (prompts // ppb))
+
+
+def resumed_split(old: RoleTable, world: int, unit: int) -> RoleTable:
+    """The table a run resumed on `world` ranks starts with: the checkpoint's train ranks, as far
+    as the new rank count leaves room for a rollout unit (a multiple of `unit`)."""
+    k = max(unit, min(old.num_train, world - unit) // unit * unit)
+    return RoleTable.split(world, k, old.version + 1)
 
 
 def threads_per_rank(ctrl: ControlPlane) -> int:

@@ -1,6 +1,7 @@
-"""GRPO on a ZeRO-style sharded AdamW: the policy update of the train ranks.
+"""GRPO: its loss (GRPOTrainer, shared with FSDP2's trainer in fsdp.py) and the ZeRO-1 trainer
+(`trainer.sharding=optimizer`, the exact mode), the policy update of the train ranks.
 
-Every train rank holds the full model (its parameters are views into one flat vector) and the
+In the ZeRO-1 trainer every train rank holds the full model (its parameters are views into one flat vector) and the
 optimizer state of one contiguous range of that vector only. A step:
 1. the batch, sorted by sample index, is cut into micro-batches of `micro_batch_size` samples
    (fixed composition), spread over the train ranks by token count
@@ -108,6 +109,12 @@ class GRPOTrainer:
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def train_step(self, samples: list[Sample]) -> dict:
+        """One GRPO update on the global batch `samples` (every train rank passes the same list)."""
+        grad, info = self.compute_gradient(samples)
+        self.apply_gradient(grad)
+        return info
 
     def _forward_backward(self, mb: list[Sample], advantages: dict[int, float], total_tokens: int,
                           stats: dict[str, float] | None) -> float:
@@ -290,12 +297,6 @@ class ShardedTrainer(GRPOTrainer):
                           state.get("exp_avg", zeros), state.get("exp_avg_sq", zeros), step)
 
     # --- one policy update --------------------------------------------------------------------
-    def train_step(self, samples: list[Sample]) -> dict:
-        """One GRPO update on the global batch `samples` (every train rank passes the same list)."""
-        grad, info = self.compute_gradient(samples)
-        self.apply_gradient(grad)
-        return info
-
     def compute_gradient(self, samples: list[Sample], queue=None, each=None) -> tuple[torch.Tensor, dict]:
         """The clipped gradient of the whole batch, summed over the train group (same on every rank).
 

@@ -51,14 +51,15 @@ DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT",
 
 class TimelineWriter:
     def __init__(self, path: str | os.PathLike, meta: dict, resume_after: int | None = None,
-                 attempt_start_s: float = 0.0):
+                 attempt_start_s: float = 0.0, world_size: int | None = None):
         """Create `path`, or with `resume_after=i` reopen it, drop rows of iterations > i and
-        record a new attempt that started at `attempt_start_s` (attribute `attempts`)."""
+        record a new attempt that started at `attempt_start_s` on `world_size` ranks (attribute
+        `attempts`; a run with the fully sharded trainer may resume on another rank count)."""
         self.path = os.fspath(path)
         if resume_after is None:
             self._create(meta)
         else:
-            self._truncate_after(resume_after, attempt_start_s)
+            self._truncate_after(resume_after, attempt_start_s, world_size)
         self._pending: dict[str, list[np.ndarray]] = {name: [] for name in DATASETS}
         self._closed = False
 
@@ -73,7 +74,7 @@ class TimelineWriter:
             for name, dtype in DATASETS.items():
                 f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(CHUNK_ROWS,))
 
-    def _truncate_after(self, iteration: int, attempt_start_s: float) -> None:
+    def _truncate_after(self, iteration: int, attempt_start_s: float, world_size: int | None = None) -> None:
         """Resume: keep only rows of completed iterations, so none is lost or repeated.
 
         A file whose writer died holding it is marked as open for writing, which HDF5 refuses to
@@ -81,6 +82,8 @@ class TimelineWriter:
         file that replaces the old one.
         """
         attempt = {"start_s": attempt_start_s, "after_iteration": iteration}
+        if world_size is not None:
+            attempt["world_size"] = world_size
         _copy_rows(self.path, lambda data: data[data["iteration"] <= iteration],
                    {"complete": False, "resumed": lambda attrs: int(attrs.get("resumed", 0)) + 1,
                     "attempts": lambda attrs: json.dumps(json.loads(attrs.get("attempts", "[]")) + [attempt])})

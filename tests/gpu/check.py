@@ -496,42 +496,71 @@ def check_bf16_matmul(device: str, n: int = 8192, copy_bytes: int = 2**30) -> di
             "copy_GB/s(r+w)": copy_gbs, "of_hbm": copy_gbs * 1e9 / profile_figure("hbm_bandwidth")}
 
 
-# --- 7. one FSDP2 step against the memory model ----------------------------------------------
+# --- 7. one step of the fully sharded trainer against the memory model, and its reshard storage --
 def check_fsdp2_step_memory(device: str) -> dict:
-    """One FSDP2 AdamW step (runtime/fsdp.py) of a Qwen2.5-1.5B-shaped model (random weights) in
-    bf16 with float32 master weights and activation checkpointing, on one GPU: its peak allocated
-    memory against plan/memory.py's prediction (reserve excluded), step time and MFU. The CPU path
-    runs a small shape in float32 and checks the sharded states only."""
+    """One GRPO step of the runtime's fully sharded trainer (runtime/fsdp.py: FSDP2, AdamW) on a
+    Qwen2.5-1.5B-shaped model (random weights) in bf16 with float32 master weights and activation
+    checkpointing, on one GPU: its peak allocated memory against plan/memory.py's prediction
+    (reserve excluded), step time and MFU. Then its state saved from GPU memory through DCP over
+    HDF5 (runtime/dcp_h5.py, what a resize and a checkpoint write) and loaded back into a second
+    trainer, bit for bit. The CPU path runs a small shape in float32 and checks the sharded
+    states and the round trip."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from dynaresize.config import TrainerConfig
     from dynaresize.launch.bench_memory import SHAPES, spec_of
     from dynaresize.plan import memory
-    from dynaresize.runtime.fsdp import held_bytes, shard_model
+    from dynaresize.runtime.fsdp import FullyShardedTrainer, held_bytes
+    from dynaresize.runtime.staging import new_run_id, remove_dir, scratch_root
+    from dynaresize.runtime.types import Sample
 
     cuda = device == "cuda"
     shape = (dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, intermediate_size=8960) if cuda else SHAPES["small"])
     batch, length = (4, 1024) if cuda else (2, 32)
-    with single_rank_world(device) as dist:
-        torch.manual_seed(0)
+    compute = "bfloat16" if cuda else "float32"
+    cfg = TrainerConfig(lr=1e-5, micro_batch_size=batch, activation_checkpointing=True, grad_reduce_dtype="float32")
+    gen = torch.Generator().manual_seed(0)
+    # one micro-batch: a prompt group of `batch` responses of `length` tokens, rewards that differ
+    samples = [Sample(0, i, 0, 0, [1] * 16, torch.randint(3, shape["vocab_size"], (length - 16,), generator=gen).tolist(),
+                      [0.0] * (length - 16), length, float(i)) for i in range(batch)]
+
+    def trainer_on(group, seed: int):
+        torch.manual_seed(seed)
         with torch.device(device):
             model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False))
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        compute = "bfloat16" if cuda else "float32"
-        shard_model(model, dist.group.WORLD, device, compute_dtype=compute)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        ids = torch.randint(0, shape["vocab_size"], (batch, length), device=device)
+        return FullyShardedTrainer(model, cfg, 1.0, device, group, [0], 0, compute_dtype=compute)
 
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-        step()                                    # the optimizer state exists from here on
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        seconds, _ = timed(device, step)
-        held = held_bytes(model, optimizer)
-        peak = torch.cuda.max_memory_allocated() if cuda else math.nan
+    directory = tempfile.mkdtemp(prefix="dynaresize-gpu-check-dcp-", dir=scratch_root(None))
+    try:
+        with single_rank_world(device) as dist:
+            trainer = trainer_on(dist.group.WORLD, seed=0)
+            held: dict[str, int] = {}
+
+            def step():                                   # what it holds with the gradients in place
+                grad, info = trainer.compute_gradient(samples)
+                held.update(held_bytes(trainer.model, trainer.optimizer))
+                trainer.apply_gradient(grad)
+                return info
+            step()                                        # the optimizer state exists from here on
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            seconds, info = timed(device, step)
+            peak = torch.cuda.max_memory_allocated() if cuda else math.nan
+            run_id = new_run_id()
+            t_save, written = timed(device, trainer.save, directory, run_id)
+            other = trainer_on(dist.group.WORLD, seed=1)          # other weights, overwritten by the load
+            t_load, read = timed(device, other.load, directory, run_id)
+            same = all(torch.equal(a.to_local(), b.to_local()) for a, b in
+                       zip(trainer.model.parameters(), other.model.parameters()))
+            moments = [(trainer.optimizer.state[a], other.optimizer.state[b]) for a, b in
+                       zip(trainer.model.parameters(), other.model.parameters())]
+            same_state = all(torch.equal(x[key].to_local(), y[key].to_local()) for x, y in moments
+                             for key in ("exp_avg", "exp_avg_sq"))
+    finally:
+        remove_dir(directory)
+    expect(math.isfinite(info["loss"]) and info["grad_norm"] > 0, f"loss {info['loss']}, grad norm {info['grad_norm']}")
+    expect(same and same_state, "the state loaded back through DCP over HDF5 differs from the saved one")
     spec = spec_of(shape)
     settings = memory.TrainSettings(sharding="full", compute_bytes=2 if cuda else 4, reduce_bytes=4,
                                     activation_checkpointing=True, micro_batch_tokens=batch * length)
@@ -539,10 +568,12 @@ def check_fsdp2_step_memory(device: str) -> dict:
     for state in ("parameters", "gradients", "optimizer"):
         expect(abs(held[state] / predicted[state] - 1) <= 0.15,
                f"{state}: {gb(held[state]):.3f} GB held, the memory model says {gb(predicted[state]):.3f} GB")
-    out = {"params_M": spec.params / 1e6, "step_s": seconds, "states_GB": gb(sum(held.values()))}
+    out = {"params_M": spec.params / 1e6, "step_s": seconds, "states_GB": gb(sum(held.values())),
+           "dcp_save_GB/s": gb(written) / t_save, "dcp_load_GB/s": gb(read) / t_load}
     if cuda:
         out.update({"peak_GB": gb(peak), "model_GB": gb(sum(predicted.values())),
                     "peak/model": peak / sum(predicted.values()),
+                    # forward, backward and the checkpointed layers' forward again: 8 FLOPs a parameter a token
                     "MFU": 8 * spec.params * batch * length / seconds / profile_figure("peak_flops")})
     return out
 
