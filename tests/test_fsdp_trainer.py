@@ -110,10 +110,10 @@ def test_resizes_reshard_through_dcp_moving_only_shards(full_static, tmp_path):
     for it in plans:
         k, k2 = int(splits[it - 1]), int(splits[it])
         for e in ev[(ev["iteration"] == it) & np.isin(ev["name"], [b"stage_out", b"stage_in"])]:
-            # a save writes the rank's shard (with HDF5's and DCP's metadata: at most 30 % more on
-            # this tiny model); a load reads the rows of its new shard only
+            # a save writes the rank's shard, a load reads the rows of its new shard only; beside
+            # them DCP's small non-tensor items (AdamW's step counts and settings: 16-19 KB here)
             shard = shard_bytes(numel, k if e["name"] == b"stage_out" else k2)
-            assert e["bytes"] <= 1.3 * shard, (it, e["name"], int(e["rank"]), int(e["bytes"]), shard)
+            assert e["bytes"] <= shard + 64 * 1024, (it, e["name"], int(e["rank"]), int(e["bytes"]), shard)
             checked += 1
     assert checked >= 30
     assert ev[(ev["name"] == b"stage_in") & (ev["iteration"] == 1)]["bytes"].max() < shard_bytes(numel, 1) / 2

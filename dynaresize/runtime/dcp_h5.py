@@ -122,6 +122,7 @@ class H5Writer(StorageWriter):
         super().__init__()
         self.folder, self.run_id, self.chunk_bytes = str(folder), run_id, chunk_mb << 20
         self.fsync = fsync                   # a checkpoint's files reach the disk before it counts
+        self.bytes_written = 0               # of the items' contents, by this rank
         self.is_coordinator = False
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -160,6 +161,7 @@ class H5Writer(StorageWriter):
                                  shape=np.asarray(data.shape, dtype=np.int64), dtype=_dtype_name(data.dtype))
                 results.append(WriteResult(index=item.index, size_in_bytes=int(f[dataset].shape[0]),
                                            storage_data=ItemLocation(name, dataset)))
+                self.bytes_written += int(f[dataset].shape[0])
         if self.fsync:
             _fsync(tmp)
         os.replace(tmp, path)

@@ -20,7 +20,6 @@ averaged) over the group, as the loss is normalised by the whole batch's tokens.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from typing import Iterator
 
@@ -156,10 +155,10 @@ class FullyShardedTrainer(GRPOTrainer):
 
     def save(self, folder: str, run_id: str | None, chunk_mb: int = 4, fsync: bool = False) -> int:
         """Save this group's parameters and AdamW state into `folder` (one file per rank; `fsync`:
-        on disk before it counts, for a checkpoint); the bytes this rank wrote."""
-        state = self._state(optimizer=bool(self.optimizer.state))
-        dcp.save(state, storage_writer=H5Writer(folder, run_id, chunk_mb, fsync), process_group=self.group)
-        return os.path.getsize(os.path.join(folder, f"shard-{self.index:05d}.h5"))
+        on disk before it counts, for a checkpoint); the bytes of state this rank wrote."""
+        state, writer = self._state(optimizer=bool(self.optimizer.state)), H5Writer(folder, run_id, chunk_mb, fsync)
+        dcp.save(state, storage_writer=writer, process_group=self.group)
+        return writer.bytes_written
 
     def load(self, folder: str, run_id: str | None) -> int:
         """Load this rank's shards of a state saved by `save` on any number of ranks; the bytes
