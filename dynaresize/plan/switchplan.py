@@ -17,7 +17,7 @@ both prefixes of the ranks), in this order:
 The fully sharded trainer (`trainer.sharding=full`, FSDP2) binds its model to the train group,
 so on one node its switch is: the old train group saves its shards together (DCP), a rank leaving
 training wakes its engine and reads the full weights from those files, and the new train group
-loads its shards, resharded, before its first forward; all on the critical path (_full_reshard).
+loads its shards, resharded, before its first forward; all on the critical path.
 
 Across nodes (`staging.transport`: network, or auto when the train block [0, max(k, k')) spans
 nodes) a reshard over the data plane replaces stage_out and stage_in: every part of a new owner's
@@ -101,12 +101,16 @@ def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: s
            Op("group_switch", everyone, True)]
     if joining:
         ops.append(Op("release", joining, True, price={"release_mode": release_mode}))
-    if sharding == "full" and transport != "network":
-        return _full_reshard(old, new, ops, parked, numel, weights, release_mode)
+    # the fully sharded trainer (FSDP2) binds its model to its group: on one node the old group saves
+    # its shards together and the new one loads them before its first forward, all critical
+    fsdp_files = sharding == "full" and transport != "network"
     if transport == "network":
         moved, messages = reshard_load(numel, k, k2)
         ops.append(Op("reshard", tuple(range(K)), True, moved, collective=True,
                       price={"nbytes": max(moved), "ranks": K, "messages": messages}))
+    elif fsdp_files:
+        out = shard_bytes(numel, k)
+        ops.append(Op("stage_out", tuple(range(k)), True, (out,) * k, collective=True, price={"nbytes": out}))
     else:
         out = shard_bytes(numel, k)
         if staying:
@@ -117,33 +121,15 @@ def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: s
         ops.append(Op("engine_start", leaving, True, price={"release_mode": release_mode},
                       restored=tuple(r in parked for r in leaving)))
         ops.append(Op("weight_load", leaving, True, (weights,) * len(leaving), price={"nbytes": weights}))
-    if joining:                          # the new train set gets train rank 0's weights
+    if joining and not fsdp_files:       # the new train set gets train rank 0's weights
         new_train = tuple(range(k2))
         ops.append(Op("weight_load", new_train, True, (weights,) * k2, collective=True,
                       price={"nbytes": weights, "ranks": k2}))
-    if transport != "network":           # new owners read their ranges (background)
+    if transport != "network":           # new owners read their ranges (background; FSDP2: all of it, now)
         into = shard_bytes(numel, k2)
-        ops.append(Op("stage_in", tuple(range(k2)), staging_critical, (into,) * k2, price={"nbytes": into}))
+        ops.append(Op("stage_in", tuple(range(k2)), staging_critical or fsdp_files, (into,) * k2,
+                      collective=fsdp_files, price={"nbytes": into}))
     return SwitchPlan(old, new, transport, tuple(ops), frozenset((set(parked) | set(joining)) - set(leaving)))
-
-
-def _full_reshard(old: RoleTable, new: RoleTable, ops: list[Op], parked: frozenset[int], numel: int,
-                  weights: int, release_mode: str) -> SwitchPlan:
-    """The rest of a file-transport switch of the fully sharded trainer (FSDP2, a model bound to
-    its group): the old train group saves its shards (DCP, collective), the new one loads them
-    resharded before its first forward, and a rank joining rollout reads the full weights from
-    the files. All critical: parameters are needed at the first forward, and the new group's
-    trainers exist only once the old group's state is complete on disk."""
-    k, k2 = old.num_train, new.num_train
-    leaving, joining = tuple(range(k2, k)), tuple(range(k, k2))
-    out, into = shard_bytes(numel, k), shard_bytes(numel, k2)
-    ops.append(Op("stage_out", tuple(range(k)), True, (out,) * k, collective=True, price={"nbytes": out}))
-    if leaving:
-        ops.append(Op("engine_start", leaving, True, price={"release_mode": release_mode},
-                      restored=tuple(r in parked for r in leaving)))
-        ops.append(Op("weight_load", leaving, True, (weights,) * len(leaving), price={"nbytes": weights}))
-    ops.append(Op("stage_in", tuple(range(k2)), True, (into,) * k2, collective=True, price={"nbytes": into}))
-    return SwitchPlan(old, new, "file", tuple(ops), frozenset((set(parked) | set(joining)) - set(leaving)))
 
 
 def walk(p: SwitchPlan, clock: np.ndarray, duration: Callable[[Op], float | np.ndarray]

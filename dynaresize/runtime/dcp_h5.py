@@ -196,12 +196,15 @@ class H5Reader(StorageReader):
         self.folder, self.run_id = str(folder), run_id
         self.storage_data: dict[MetadataIndex, ItemLocation] = {}
         self.bytes_read = 0                 # of the datasets' contents, by this rank
+        self._metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.folder = str(checkpoint_id)
+            self.folder, self._metadata = str(checkpoint_id), None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self._metadata is not None:     # read once (a trainer's load looks at it before DCP does)
+            return self._metadata
         path = os.path.join(self.folder, METADATA)
         if not os.path.exists(path):
             raise CheckpointStorageError(f"{path}: no metadata (the save did not finish, or this is not a checkpoint)")
@@ -212,7 +215,8 @@ class H5Reader(StorageReader):
         if self.run_id is not None and saved["run_id"] != self.run_id:
             raise CheckpointStorageError(f"{path}: written by run {saved['run_id'] or '(none)'}, not this run "
                                          f"({self.run_id}): refused")
-        return saved["metadata"]
+        self._metadata = saved["metadata"]
+        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         self.storage_data = metadata.storage_data

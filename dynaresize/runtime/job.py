@@ -137,7 +137,7 @@ class Job:
             # the model a switch plan prices: the profile's when emulating, else this one
             self.priced_numel = self.cost.numel if self.cost else self.layout.numel
             # the full weights of a resumed run, for an engine (and every ZeRO-1 trainer)
-            needs_weights = table.generates(self.rank) or not self.sharded or cfg.trainer.work_stealing
+            needs_weights = table.generates(self.rank) or not self.sharded
             weights = checkpoint.load_flat_params(resume, self.layout) if resume and needs_weights else None
             engine = trainer = None
             if table.generates(self.rank):

@@ -3,8 +3,7 @@ rank, in the plan's order, timed on the timeline as critical or background.
 
 With the fully sharded trainer (`trainer.sharding=full`) stage_out and stage_in save and load the
 train groups' shards through torch.distributed.checkpoint (fsdp.py), and a rank leaving training
-reads its engine's weights from those files (switchplan._full_reshard says why all of it is
-critical).
+reads its engine's weights from those files (switchplan.plan says why all of it is critical).
 
 A background operation runs in a thread and is waited for where its result is needed (the staged
 optimizer range at the optimizer step); only the part the main thread waited for is recorded as

@@ -1,7 +1,8 @@
 """GRPO: its loss (GRPOTrainer, shared with FSDP2's trainer in fsdp.py) and the ZeRO-1 trainer
 (`trainer.sharding=optimizer`, the exact mode), the policy update of the train ranks.
 
-In the ZeRO-1 trainer every train rank holds the full model (its parameters are views into one flat vector) and the
+In the ZeRO-1 trainer every train rank holds the full model (its parameters are views into one
+flat vector) and the
 optimizer state of one contiguous range of that vector only. A step:
 1. the batch, sorted by sample index, is cut into micro-batches of `micro_batch_size` samples
    (fixed composition), spread over the train ranks by token count
