@@ -24,6 +24,14 @@ START_POINTS = 4      # points of the run (its start and quarters) where policy.
 START_PHASES = 8      # iterations of a task period it averages over at each point (evenly spaced)
 GUARD_WINDOW = 8      # iterations after a move whose realised saving the guard sums
 GUARD_FACTOR = 4.0    # a move must promise this x what the window's moves lost, beyond the dead band
+# Large batches price a forecast on fewer of its batches: its newest ones holding these many
+# prompt groups (at least one batch, at most all: a 64-rank run's 512 prompts a batch, all 16):
+# - the search for a step's best split (the plan then compares the splits found on all);
+# - the train stage, which varies less from batch to batch than a rollout's tail (its
+#   micro-batches are spread evenly: the busiest rank is within the largest one of the mean),
+#   each batch paired in turn with the rollouts of all (different batches anyway, one step off-policy).
+SEARCH_PROMPTS = 16_384
+TRAIN_PROMPTS = 32_768
 
 
 @dataclass(frozen=True)
@@ -178,6 +186,8 @@ class DynamicPolicy(Policy):
         self.forecast = LengthForecast(job.workload, job.run.seed, r.prompts_per_batch, r.samples_per_prompt,
                                        generation_rounds(job.trainer))
         self.iterations = job.run.iterations
+        self.search_members, self.train_members = (min(max(-(-n // r.prompts_per_batch), 1), ENSEMBLE)
+                                                   for n in (SEARCH_PROMPTS, TRAIN_PROMPTS))
         # measured / predicted: stage times, and switch times by destination (1 until measured)
         self.scale = {"rollout": 1.0, "train": 1.0, "switch to rollout": 1.0, "switch to train": 1.0}
         self.measured: set[str] = set()                        # which of them have a measurement
@@ -364,17 +374,20 @@ class DynamicPolicy(Policy):
             trn = self.forecast.forecast(j - lag) if j >= lag else (None, None)
             steps.append((gen, trn))
 
-        def predict(h: int, k: int):
+        def predict(h: int, k: int, members: int = ENSEMBLE):
             (gen, gkey), (trn, tkey) = steps[h]
-            key = (gkey, tkey, k)
+            key = (gkey, tkey, k, members)
             if key not in memo:
-                memo[key] = self.model.expected(gen, trn, k, self.scale["rollout"], self.scale["train"])
+                memo[key] = self.model.expected(gen and gen[-members:], trn and trn[-min(members, self.train_members):],
+                                                k, self.scale["rollout"], self.scale["train"])
             return memo[key]
 
-        # Candidate splits: the current one and the best of the steps that steps_to_search picks;
-        # the best splits of the steps between lie between those (a trend moves them gradually).
+        # Candidate splits: the current one and the best of the steps that steps_to_search picks
+        # (searched on their newest batches, SEARCH_PROMPTS); the best splits of the steps between
+        # lie between those (a trend moves them gradually).
         searched = steps_to_search([gkey for (_, gkey), _ in steps])
-        cands = sorted({cur, anchor} | {self.model.best_split(lambda k, h=h: predict(h, k)) for h in searched})
+        cands = sorted({cur, anchor} | {self.model.best_split(lambda k, h=h: predict(h, k, self.search_members),
+                                                              near=cur) for h in searched})
         # every rollout the program below prices, at once (on the pricing workers, if any)
         self.model.price_rollouts((g, k) for (gen, _), _ in steps for g in gen or () for k in cands)
         # Dynamic program over the horizon. A state is (split, engines_from): a move into rollout

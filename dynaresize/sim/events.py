@@ -28,8 +28,14 @@ class EventBuffer:
         if n == 0:
             return
         if attrs is not None:
-            attrs = ([schema.encode_attrs(a) for a in attrs] if isinstance(attrs, list)
-                     else schema.encode_attrs(attrs))
+            if isinstance(attrs, list):       # per rank, mostly the same few dicts: each encoded once
+                encoded: dict[str, bytes] = {}
+                for a in attrs:
+                    if repr(a) not in encoded:
+                        encoded[repr(a)] = schema.encode_attrs(a)
+                attrs = [encoded[repr(a)] for a in attrs]
+            else:
+                attrs = schema.encode_attrs(attrs)
             attrs = np.broadcast_to(np.asarray(attrs, dtype=f"S{schema.ATTRS_BYTES}"), n)
         self.parts.append((iteration, ranks, roles, NAME_CODES[name], np.broadcast_to(start, n),
                            np.broadcast_to(end, n), critical, np.broadcast_to(tokens, n),
