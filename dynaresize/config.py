@@ -122,6 +122,16 @@ class RolloutConfig:
     # tail migration: a rollout rank with this many sequences left or fewer hands them to a tail rank
     migration_threshold: Any = 0   # 0: off; auto: the cost model's choice of it and tail_ranks
     tail_ranks: int = 1            # the first rollout ranks at their cut finish the others' sequences
+    # tail speculation (torch engine): decode with draft tokens from the group's sibling responses,
+    # verified in one forward pass: off | tail (once a group has speculation_below running rows
+    # or fewer) | always. Every token is still a draw from the model's distribution (greedy: the
+    # same tokens), but a seed draws another sample than without it.
+    speculation: str = "off"
+    speculation_tokens: int = 4    # draft tokens verified per step at most
+    speculation_below: int = 2     # tail: running sequences of a group (priced: of a vLLM rank) from which it speculates
+    # tokens a sequence gains per verify step, as the cost model prices speculation (Seer, arXiv
+    # 2511.14617, Fig. 11: 1.77-2.15 measured); a run reports its own (tokens_per_verify)
+    speculation_acceptance: float = 2.0
     # vLLM engine settings (rollout=vllm)
     gpu_memory_utilization: float = 0.5  # share of the GPU's memory vLLM may take (weights + KV cache)
     release: str = "sleep"         # on leaving rollout: sleep (CUDA sleep mode) | teardown | keep

@@ -232,6 +232,56 @@ def test_continuous_steps_are_list_scheduling():
             assert got[r] == step
 
 
+def test_tail_speculation_divides_the_steps_once_few_sequences_are_left():
+    """Speculation.price on continuous_top_ends against a step-by-step simulation: slots take
+    waiting sequences; once `below` or fewer are left, every one gains `acceptance` tokens a step.
+    The rejected draft positions are the tokens decoded speculating times (1 + tokens) / acceptance - 1."""
+    from dynaresize.plan.costmodel import GroupWork, Placement, Speculation, continuous_top_ends
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n, spp, ranks = int(rng.integers(1, 30)), int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        below, acceptance = int(rng.integers(1, 4)), float(rng.uniform(1, 3))
+        spec = Speculation(below, 4, acceptance) if rng.random() < 0.8 else Speculation(math.inf, 4, acceptance)
+        lens = rng.integers(1, 40, (n, spp))
+        assign = rng.integers(0, ranks, n)
+        slots = rng.integers(below + 1, 10, ranks)        # a vLLM rank's slots are many more than `below`
+        placed = Placement(assign, ranks)
+        top = continuous_top_ends(placed, GroupWork(np.zeros(n), lens), slots, 1 if math.isinf(spec.below) else below + 1)
+        steps, drafts = spec.price(top, placed.groups * spp, np.bincount(assign, weights=lens.sum(axis=1),
+                                                                          minlength=ranks))
+        for r in range(ranks):
+            waiting, running, step, speculated = lens[assign == r].ravel().tolist(), [], 0.0, 0
+            while waiting or running:
+                while waiting and len(running) < slots[r]:
+                    running.append(waiting.pop(0))
+                if not waiting and len(running) <= spec.below and not math.isinf(spec.below):
+                    speculated, step = sum(running), step + max(running) / acceptance
+                    break
+                step += 1
+                running = [x - 1 for x in running if x > 1]
+            if math.isinf(spec.below):        # always: the whole schedule, each step `acceptance` tokens
+                speculated, step = int(lens[assign == r].sum()), step / acceptance
+            assert steps[r] == pytest.approx(step) and drafts[r] == pytest.approx(speculated * (5 / acceptance - 1))
+
+
+def test_speculation_prices_a_group_on_its_own_and_the_bound_with_it():
+    """Sequential batching (the torch engine): each group speculates once `below` of its rows are
+    left. Acceptance 1 gains no step and costs the draft positions; the longest sample alone
+    (the bound's floor) decodes `acceptance` tokens a step."""
+    from dynaresize.plan.costmodel import Speculation
+    model = ModelSpec.from_model_config(ModelConfig())
+    lens = np.array([[100, 200, 300, 1000], [50, 50, 60, 70]])
+    plain = CostModel("cpu_tiny", model).rollout_rank_features([0, 0], [10, 10], lens, 1)
+    f = CostModel("cpu_tiny", model, speculation=Speculation(2, 4, 2.0)).rollout_rank_features([0, 0], [10, 10], lens, 1)
+    # group 0 from step 200: 200 + 800 / 2 and 900 tokens speculated; group 1 from 50: 50 + 20 / 2 and 30
+    assert plain["steps"][0] == 1070 and f["steps"][0] == 600 + 60
+    assert f["draft_tokens"][0] == pytest.approx((900 + 30) * 1.5) and f["tokens"][0] == plain["tokens"][0]
+    same = CostModel("cpu_tiny", model, speculation=Speculation(2, 4, 1.0)).rollout_rank_features([0, 0], [10, 10], lens, 1)
+    assert same["steps"][0] == 1070 and same["draft_tokens"][0] == (900 + 30) * 4
+    cm = CostModel("h100", speculation=Speculation(2, 4, 2.5))
+    assert cm.longest_decode_time([10, 10], lens) < CostModel("h100").longest_decode_time([10, 10], lens)
+
+
 def test_list_schedule_equals_the_heap_loop():
     """list_schedule (the heap's replaced times taken as the starts) against the plain loop: the
     next sequence starts at the earliest free time, which becomes that plus its length."""

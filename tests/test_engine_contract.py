@@ -274,3 +274,25 @@ def test_vllm_rollout_ranks_follow_the_trainer(tmp_path):
     result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("OK ")][-1][3:])
     print(json.dumps(result))
     assert result["samples"] == 32 and result["prompts_changed_by_training"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
+@pytest.mark.timeout(600)
+def test_vllm_ngram_speculation_keeps_greedy_outputs(initial, checkpoint):
+    """vLLM's own draft-free speculative decoding (rollout.engine_args.speculative_config, method
+    ngram: what a vLLM rollout uses instead of rollout.speculation) on the CPU build: greedy
+    outputs equal the Hugging Face model's greedy decoding after a weight update."""
+    cfg = RolloutConfig(engine="vllm", engine_args={"speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}})
+    engine = make_engine(cfg, checkpoint, "float32", "cpu", seed=0)
+    try:
+        new, model = perturbed(initial, checkpoint)
+        engine.load_weights(new)
+        batch = prompts() + [long_prompt()]
+        out = engine.generate([group(p, seeds=(1, 2)) for p in batch], 0.0)
+        for p, grp in zip(batch, out):
+            want, _ = hf_greedy(model, list(p.tokens), cap(p))
+            assert all(g.tokens == want for g in grp), (p.index, [g.tokens for g in grp], want)
+    finally:
+        engine.close()

@@ -316,6 +316,21 @@ def rollout_tokens(tl: Timeline) -> pd.Series:
     return ev.groupby("iteration")["tokens"].sum()
 
 
+def speculation(tl: Timeline) -> dict[str, float]:
+    """Tail speculation over the run's rollout events (rollout.speculation): draft_acceptance (the
+    share of draft tokens accepted) and tokens_per_verify (tokens a row gained per verify step:
+    the accepted ones and the one drawn after them); NaN where nothing was drafted."""
+    ev = tl.events[tl.events["name"] == "rollout"]
+    counts = dict.fromkeys(("verify_rows", "draft_tokens", "accepted_tokens"), 0)
+    for raw in (ev["attrs"] if "attrs" in ev.columns else []):
+        attrs = schema.decode_attrs(raw.encode()) if raw else {}
+        for key in counts:
+            counts[key] += int(attrs.get(key, 0))
+    drafted, rows = counts["draft_tokens"], counts["verify_rows"]
+    return {"draft_acceptance": counts["accepted_tokens"] / drafted if drafted else math.nan,
+            "tokens_per_verify": (rows + counts["accepted_tokens"]) / rows if rows else math.nan}
+
+
 def train_step_metrics(sums: dict[str, float], step: dict[str, float]) -> dict[str, float]:
     """The train/* metrics of one step (module docs) from `sums`, its per-token sums over every
     micro-batch (the trainer's: tokens, policy_loss, kl_behaviour, entropy, clipped, ratio,
@@ -493,7 +508,8 @@ def run_metrics(tl: Timeline) -> dict:
     bubble_all, switch_ops, switch_total_s, switch_critical_s, switch_hidden_s, hidden_share,
     resizes, prediction_error_median (median |predicted / measured - 1| of the next iteration's
     time, see predictions), decisions, decide_s_median, decide_s_total, decide_share (their
-    total / total_time_s), outside_iterations_s, gpu_time; the RL's: final_reward (the mean reward
+    total / total_time_s), outside_iterations_s, gpu_time, draft_acceptance and tokens_per_verify
+    (tail speculation, see speculation); the RL's: final_reward (the mean reward
     of the last quarter of the iterations that generated), eval_reward and eval_pass (the last
     evaluation's eval/reward_mean and eval/pass@k; NaN without one).
     """
@@ -558,6 +574,7 @@ def run_metrics(tl: Timeline) -> dict:
         "outside_iterations_s": (float((total_time - sp["span_s"].sum()) * len(tl.ranks))
                                  if n else math.nan),
         "gpu_time": gpu_time(tl),
+        **speculation(tl),
     })
     generating = sp.loc[sp["generated_batch"] >= 0, "iteration"].to_numpy()
     last = generating[-max(1, len(generating) // 4):]

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from ..config import ConfigError, JobConfig, parse_config
 from ..plan.memory import SHARDINGS, describe, job_train_side, min_train_ranks, remedies, train_bytes
 from ..plan.policy import POLICIES
-from ..runtime.rollout.base import ENGINES
+from ..runtime.rollout.base import ENGINES, SPECULATION
 from ..data.shapes import longest_sequence, prompt_extra_tokens
 
 
@@ -190,6 +190,24 @@ def validate(cfg: JobConfig) -> None:
          "or auto (chosen from the cost model)")
     need(isinstance(r.tail_ranks, int) and r.tail_ranks >= 1, "rollout.tail_ranks", f"is {r.tail_ranks!r}",
          "use 1 or more")
+    need(r.speculation in SPECULATION, "rollout.speculation", f"unknown {r.speculation!r}",
+         f"use {', '.join(SPECULATION)}")
+    if r.speculation != "off":
+        need(isinstance(r.speculation_tokens, int) and r.speculation_tokens >= 1, "rollout.speculation_tokens",
+             f"is {r.speculation_tokens!r}", "use 1 or more draft tokens a step, e.g. 4")
+        need(isinstance(r.speculation_below, int) and r.speculation_below >= 1, "rollout.speculation_below",
+             f"is {r.speculation_below!r}", "use 1 or more running rows, e.g. 2")
+        need(isinstance(r.speculation_acceptance, (int, float))
+             and 1 <= r.speculation_acceptance <= 1 + max(r.speculation_tokens, 0), "rollout.speculation_acceptance",
+             f"is {r.speculation_acceptance!r}; a verify step keeps 1 to 1 + speculation_tokens tokens",
+             "use a value in that range, e.g. 2.0")
+        need(r.engine == "torch" or run.mode == "simulate", "rollout.speculation",
+             f"is {r.speculation} with rollout.engine={r.engine}: sibling drafts are the torch engine's",
+             "for vLLM pass its own speculative_config in rollout.engine_args (method ngram or suffix), "
+             "or use rollout.speculation=off")
+        need(run.mode == "real" or not migrates, "rollout.speculation",
+             f"is {r.speculation} with tail migration and run.mode={run.mode}: the cost model prices "
+             "either, not both together", "use one of them, or run.mode=real")
     if migrates:
         need(run.mode != "emulate", "rollout.migration_threshold",
              f"is {r.migration_threshold} with run.mode=emulate: an emulated stage lasts its price, but the "

@@ -15,7 +15,10 @@ rollout (one rank)   base + per_group x groups + per_step x decode steps + per_t
                      full: capacity from the profile's GPU memory), so without a queue the longest
                      sample sets the steps (the long tail) and with one the queue adds to it; with
                      `sequential` batching (the torch engine: one prompt group at a time) the steps
-                     are the sum over groups of each group's longest sample.
+                     are the sum over groups of each group's longest sample. Tail speculation
+                     (rollout.speculation) divides the steps after the point where a rank (a
+                     group, sequential) has `below` sequences left by the acceptance length and
+                     adds the draft positions verified and rejected to the tokens (Speculation).
 train (one rank)     compute: per_micro_batch x micro-batches + per_token x tokens (forward+backward)
                      + per_logprob_token x tokens per forward-only pass the trainer runs (the
                      old-log-prob recompute, the reference model); per_token x RECOMPUTE_FACTOR
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -51,6 +55,45 @@ from .memory import TrainSettings, train_fits
 # FLOPs a token become 8P (Korthikanti et al., "Reducing Activation Recomputation in Large
 # Transformer Models", arXiv:2205.05198: full recomputation costs one extra forward, ~33 %).
 RECOMPUTE_FACTOR = 8.0 / 6.0
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Tail speculation as the cost model prices it (rollout.speculation): once a rank (continuous
+    batching) or a prompt group (sequential) has `below` running sequences or fewer (inf: from the
+    start), each of them gains `acceptance` tokens a decode step on average, and a step computes
+    1 + `tokens` positions of each (its last token and the draft). So the steps after that point
+    are divided by the acceptance length, and the positions computed per token kept grow to
+    (1 + tokens) / acceptance. The verify step's longer attention is left out (its context reads
+    are those of one step: the KV term is kept as without speculation, an overestimate)."""
+    below: float
+    tokens: int
+    acceptance: float
+
+    @classmethod
+    def for_rollout(cls, rollout) -> "Speculation | None":
+        """The speculation of a config.RolloutConfig (None when off)."""
+        if rollout.speculation == "off":
+            return None
+        below = math.inf if rollout.speculation == "always" else rollout.speculation_below
+        return cls(below, rollout.speculation_tokens, rollout.speculation_acceptance)
+
+    def price(self, top, count, tokens) -> tuple[np.ndarray, np.ndarray]:
+        """(decode steps, draft positions rejected) of units (ranks or groups) whose sequences end at
+        plain decode steps of which `top[i]` are the largest, in descending order (at least
+        `below` + 1 of them where the unit has more sequences; all where `below` is inf: then only
+        the first is read), `count[i]` sequences holding `tokens[i]` tokens."""
+        top = np.asarray(top, dtype=np.float64)
+        count = np.asarray(count)
+        if math.isinf(self.below):
+            start, speculated = np.zeros(len(top)), np.asarray(tokens, dtype=np.float64)
+        else:
+            b = int(self.below)
+            more = count > b
+            start = np.where(more, top[:, min(b, top.shape[1] - 1)], 0.0)      # `below` sequences left
+            speculated = np.where(more, top[:, :b].sum(axis=1) - b * start, tokens)
+        steps = start + (top[:, 0] - start) / self.acceptance
+        return steps, speculated * max((1 + self.tokens) / self.acceptance - 1, 0.0)
 
 
 class Placement:
@@ -88,6 +131,14 @@ class GroupWork:
         self.kv = P * self.tokens + (L * (L - 1) / 2).sum(axis=axis)
         self.prompt_tokens = P * self.samples
         self.longest = L.max(axis=axis) if L.size else np.zeros(groups)
+        self._tops: dict[int, np.ndarray] = {}
+
+    def top(self, n: int) -> np.ndarray:
+        """[groups, min(n, samples)]: each group's n longest samples, longest first (kept)."""
+        if n not in self._tops:
+            L = np.asarray(self.response_lens, dtype=np.float64).reshape(len(self.tokens), -1)
+            self._tops[n] = -np.sort(-L, axis=1)[:, :n]
+        return self._tops[n]
 
 
 def continuous_steps(placed: Placement, response_lens, slots, longest=None) -> np.ndarray:
@@ -103,12 +154,43 @@ def continuous_steps(placed: Placement, response_lens, slots, longest=None) -> n
         longest = np.asarray(response_lens).max(axis=1)
     order, starts, held = placed.order, placed.starts, placed.held
     steps[held] = np.maximum.reduceat(longest[order], starts[held])   # each rank's longest
-    queued = np.flatnonzero(placed.groups * np.shape(response_lens)[1] > np.asarray(slots, dtype=np.int64))
+    queued = _queued(placed, np.shape(response_lens)[1], slots)
     if len(queued):
         L = np.asarray(response_lens, dtype=np.int64)
         for r in queued.tolist():
             steps[r] = list_schedule(L[order[starts[r]:starts[r + 1]]].ravel().tolist(), int(slots[r]))[1]
     return steps
+
+
+def continuous_top_ends(placed: Placement, work: GroupWork, slots, n: int) -> np.ndarray:
+    """[ranks, n]: the n last decode steps at which a rank's sequences end under continuous_steps'
+    schedule, last first (0 where a rank has fewer): without a queue its n longest samples, from
+    its groups' own n longest; a queued rank's from its list schedule."""
+    top = work.top(n)
+    ends = np.zeros((placed.ranks, n))
+    if not top.size:
+        return ends
+    # every group's longest samples in rank order, then each rank's sorted, longest first
+    values = top[placed.order].ravel()
+    rank = np.repeat(placed.assign[placed.order], top.shape[1])
+    values = values[np.lexsort((-values, rank))]
+    held = placed.held
+    per_rank = placed.groups[held] * top.shape[1]
+    for j in range(min(n, int(per_rank.max()))):
+        has = per_rank > j
+        ends[held[has], j] = values[placed.starts[held[has]] * top.shape[1] + j]
+    L = np.asarray(work.response_lens, dtype=np.int64)
+    for r in _queued(placed, work.samples, slots).tolist():
+        lengths = L[placed.order[placed.starts[r]:placed.starts[r + 1]]].ravel()
+        finish = np.asarray(list_schedule(lengths.tolist(), int(slots[r]))[0]) + lengths
+        last = np.sort(finish)[::-1][:n]
+        ends[r, :len(last)] = last
+    return ends
+
+
+def _queued(placed: Placement, samples: int, slots) -> np.ndarray:
+    """The ranks whose sequences do not all fit in their slots at once (continuous batching)."""
+    return np.flatnonzero(placed.groups * samples > np.asarray(slots, dtype=np.int64))
 
 
 def list_schedule(lengths: list[int], slots: int) -> tuple[list[int], int]:
@@ -142,7 +224,8 @@ class CostModel:
     def __init__(self, profile: HardwareProfile | str, model: ModelSpec | None = None, *,
                  samples_per_prompt: int = 4, micro_batch_size: int = 4, grad_reduce_bytes: int = 8,
                  reference_model: bool = False, recompute_logprobs: bool = False,
-                 hosts: Sequence[str] | None = None, train_settings: TrainSettings | None = None):
+                 hosts: Sequence[str] | None = None, train_settings: TrainSettings | None = None,
+                 speculation: Speculation | None = None):
         self.profile = load_profile(profile)
         self.model = self.profile.model or model
         if self.model is None:
@@ -153,6 +236,7 @@ class CostModel:
         self.grad_reduce_bytes = grad_reduce_bytes
         # forward-only passes the trainer runs before the update: reference model, old-log-prob recompute
         self.logprob_passes = int(reference_model) + int(recompute_logprobs)
+        self.speculation = speculation       # tail speculation's pricing; None: plain decoding
         # what a train rank holds (plan/memory.py): which splits fit (None: every split), and the
         # recompute of activation checkpointing
         self.train_settings = train_settings
@@ -181,7 +265,8 @@ class CostModel:
                    micro_batch_size=cfg.trainer.micro_batch_size,
                    grad_reduce_bytes=8 if cfg.trainer.grad_reduce_dtype == "float64" else 4,
                    reference_model=cfg.trainer.kl_coef > 0, recompute_logprobs=cfg.trainer.recompute_logprobs,
-                   hosts=hosts, train_settings=TrainSettings.for_job(cfg, model))
+                   hosts=hosts, train_settings=TrainSettings.for_job(cfg, model),
+                   speculation=Speculation.for_rollout(cfg.rollout))
 
     def train_fits(self, train_ranks: int) -> bool:
         """Whether each of `train_ranks` train ranks can hold its share (plan/memory.py)."""
@@ -244,10 +329,22 @@ class CostModel:
              "prompt_tokens": np.bincount(assign, weights=work.prompt_tokens, minlength=ranks)}
         if not schedule:
             return f
+        spec = self.speculation
         if self.continuous:
-            f["steps"] = continuous_steps(placed, work.response_lens, self.decode_slots(tokens, kv), work.longest)
-        else:
+            slots = self.decode_slots(tokens, kv)
+            if spec is None:
+                f["steps"] = continuous_steps(placed, work.response_lens, slots, work.longest)
+            else:
+                n = 1 if math.isinf(spec.below) else int(spec.below) + 1
+                f["steps"], f["draft_tokens"] = spec.price(continuous_top_ends(placed, work, slots, n),
+                                                           placed.groups * work.samples, tokens)
+        elif spec is None:
             f["steps"] = np.bincount(assign, weights=work.longest, minlength=ranks)
+        else:                          # sequential: each group on its own
+            n = 1 if math.isinf(spec.below) else int(spec.below) + 1
+            steps, drafts = spec.price(work.top(n), np.full(len(work.tokens), work.samples), work.tokens)
+            f["steps"] = np.bincount(assign, weights=steps, minlength=ranks)
+            f["draft_tokens"] = np.bincount(assign, weights=drafts, minlength=ranks)
         return f
 
     def decode_slots(self, tokens, kv) -> np.ndarray:
@@ -384,7 +481,8 @@ class CostModel:
     def rollout_from_features(self, f: Mapping[str, Any]):
         c = self.coef.rollout
         t = (c.base_s * f["base"] + c.per_group_s * f["groups"] + c.per_step_s * f["steps"]
-             + c.per_token_s * f["tokens"] + c.per_kv_token_s * f["kv"] + c.per_prompt_token_s * f["prompt_tokens"])
+             + c.per_token_s * (f["tokens"] + f.get("draft_tokens", 0.0)) + c.per_kv_token_s * f["kv"]
+             + c.per_prompt_token_s * f["prompt_tokens"])
         return t * self.scale
 
     # --- what no split can beat ----------------------------------------------------------------

@@ -346,6 +346,7 @@ class Job:
                 finished = list(zip(requests, self.engine.generate(requests, r.temperature)))
             samples = self._samples(batch, finished, ev)
             ev["tokens"] = sum(len(s.response) for s in samples) + sum(h.generated for h in handoffs)
+            self._engine_stats(ev)
             if self.cost:
                 self.emulate(ev, self.cost.rollout_time([[len(g.tokens) for g in group] for _, group in finished],
                                                          [len(req.prompt.tokens) for req, _ in finished]))
@@ -362,6 +363,10 @@ class Job:
         if self.score.failures:
             event["attrs"]["reward_errors"] = self.score.take_failures()
         return samples
+
+    def _engine_stats(self, event: dict) -> None:
+        """The engine's own counts (speculation's) on the event of the work that made them."""
+        event["attrs"].update({k: v for k, v in self.engine.take_stats().items() if v})
 
     def _tail_roster(self, it: int) -> TailRoster | None:
         """This iteration's tail ranks, taken as rollout ranks reach their cut (None: no migration)."""
@@ -388,6 +393,7 @@ class Job:
             ev["tokens"] = sum(len(s.response) for s in samples) - inbox.generated
             ev["attrs"].update(ranks=len(inbox.sources) + bool(handoffs),
                                groups=len(finished), sequences=inbox.sequences)
+            self._engine_stats(ev)
         return samples
 
     def _hand_off(self, it: int, batch: int, tail: int, handoffs: list[Handoff]) -> None:
@@ -568,6 +574,7 @@ class Job:
             self.set_status(f"eval (iteration {it}, {len(mine)} held-out prompts)")
             with self.rec.span(it, "eval", self.role, groups=len(mine)) as ev:
                 generated = self.engine.generate(requests, e.temperature)
+                self._engine_stats(ev)
                 for req, group in zip(requests, generated):
                     results += [(req.prompt.index, j, self.score(req.prompt, g.tokens, -1, req.first_index + j),
                                  len(g.tokens)) for j, g in enumerate(group)]

@@ -110,8 +110,15 @@ class RolloutEngine(Protocol):
     def restore(self) -> None:
         """Be ready to generate again (weights must be loaded after)."""
 
+    def take_stats(self) -> dict[str, int]:
+        """Counts of the engine's own (e.g. speculation's) since the last call, for the timeline."""
+
     def close(self) -> None:
         ...
+
+
+# rollout.speculation: no drafts | drafts once a group has few running rows | drafts from the start
+SPECULATION = ("off", "tail", "always")
 
 
 @dataclass(frozen=True)

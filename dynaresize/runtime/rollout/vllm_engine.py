@@ -123,6 +123,10 @@ class VLLMEngine:
         self.weights_current = False
         self.timings["restore"] = time.perf_counter() - t0
 
+    def take_stats(self) -> dict[str, int]:
+        """Nothing of its own: vLLM reports speculative decoding through its own metrics."""
+        return {}
+
     def close(self) -> None:
         self._shutdown()
         shutil.rmtree(self._tmp, ignore_errors=True)
