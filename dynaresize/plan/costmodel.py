@@ -64,8 +64,9 @@ class Speculation:
     start), each of them gains `acceptance` tokens a decode step on average, and a step computes
     1 + `tokens` positions of each (its last token and the draft). So the steps after that point
     are divided by the acceptance length, and the positions computed per token kept grow to
-    (1 + tokens) / acceptance. The verify step's longer attention is left out (its context reads
-    are those of one step: the KV term is kept as without speculation, an overestimate)."""
+    (1 + tokens) / acceptance. The KV term stays as without speculation: a verify step reads a
+    sequence's context once for all its positions (fewer reads than priced) but attends from more
+    positions. Assumes a rank has more slots than `below` (a vLLM rank's hundreds)."""
     below: float
     tokens: int
     acceptance: float
