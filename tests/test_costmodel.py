@@ -246,7 +246,7 @@ def test_tail_speculation_divides_the_steps_once_few_sequences_are_left():
         assign = rng.integers(0, ranks, n)
         slots = rng.integers(below + 1, 10, ranks)        # a vLLM rank's slots are many more than `below`
         placed = Placement(assign, ranks)
-        top = continuous_top_ends(placed, GroupWork(np.zeros(n), lens), slots, 1 if math.isinf(spec.below) else below + 1)
+        top = continuous_top_ends(placed, GroupWork(np.zeros(n), lens), slots, spec.ends)
         steps, drafts = spec.price(top, placed.groups * spp, np.bincount(assign, weights=lens.sum(axis=1),
                                                                           minlength=ranks))
         for r in range(ranks):

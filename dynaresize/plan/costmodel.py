@@ -79,6 +79,11 @@ class Speculation:
         below = math.inf if rollout.speculation == "always" else rollout.speculation_below
         return cls(below, rollout.speculation_tokens, rollout.speculation_acceptance)
 
+    @property
+    def ends(self) -> int:
+        """How many of a unit's last sequence ends `price` reads."""
+        return 1 if math.isinf(self.below) else int(self.below) + 1
+
     def price(self, top, count, tokens) -> tuple[np.ndarray, np.ndarray]:
         """(decode steps, draft positions rejected) of units (ranks or groups) whose sequences end at
         plain decode steps of which `top[i]` are the largest, in descending order (at least
@@ -336,14 +341,12 @@ class CostModel:
             if spec is None:
                 f["steps"] = continuous_steps(placed, work.response_lens, slots, work.longest)
             else:
-                n = 1 if math.isinf(spec.below) else int(spec.below) + 1
-                f["steps"], f["draft_tokens"] = spec.price(continuous_top_ends(placed, work, slots, n),
+                f["steps"], f["draft_tokens"] = spec.price(continuous_top_ends(placed, work, slots, spec.ends),
                                                            placed.groups * work.samples, tokens)
         elif spec is None:
             f["steps"] = np.bincount(assign, weights=work.longest, minlength=ranks)
         else:                          # sequential: each group on its own
-            n = 1 if math.isinf(spec.below) else int(spec.below) + 1
-            steps, drafts = spec.price(work.top(n), np.full(len(work.tokens), work.samples), work.tokens)
+            steps, drafts = spec.price(work.top(spec.ends), np.full(len(work.tokens), work.samples), work.tokens)
             f["steps"] = np.bincount(assign, weights=steps, minlength=ranks)
             f["draft_tokens"] = np.bincount(assign, weights=drafts, minlength=ranks)
         return f

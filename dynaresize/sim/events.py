@@ -30,10 +30,11 @@ class EventBuffer:
         if attrs is not None:
             if isinstance(attrs, list):       # per rank, mostly the same few dicts: each encoded once
                 encoded: dict[str, bytes] = {}
-                for a in attrs:
-                    if repr(a) not in encoded:
-                        encoded[repr(a)] = schema.encode_attrs(a)
-                attrs = [encoded[repr(a)] for a in attrs]
+                keys = [repr(a) for a in attrs]
+                for key, a in zip(keys, attrs):
+                    if key not in encoded:
+                        encoded[key] = schema.encode_attrs(a)
+                attrs = [encoded[key] for key in keys]
             else:
                 attrs = schema.encode_attrs(attrs)
             attrs = np.broadcast_to(np.asarray(attrs, dtype=f"S{schema.ATTRS_BYTES}"), n)
