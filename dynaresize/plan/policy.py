@@ -279,7 +279,11 @@ class DynamicPolicy(Policy):
         band = self.dead_band(nxt)
         k2 = plan[0]
         inside_band = k2 != anchor and saving <= band * stay       # hysteresis: not worth leaving the anchor
-        held = k2 not in (anchor, s.train_ranks) and guard is not None and saving <= band * stay - GUARD_FACTOR * guard
+        # the guard doubts forecasts: the run's last iterations, which only train, are priced on
+        # batches generated already
+        forecasting = nxt < self.iterations
+        held = (forecasting and k2 not in (anchor, s.train_ranks) and guard is not None
+                and saving <= band * stay - GUARD_FACTOR * guard)
         if inside_band:
             k2 = anchor
         p = first[k2]
@@ -404,7 +408,15 @@ class DynamicPolicy(Policy):
                         new_value[state], new_paths[state] = total, paths[(k, e)] + [k2]
             value, paths = new_value, new_paths
         end = min(value, key=lambda st: (value[st], paths[st][0] != anchor))
-        stay = self._switch_cost(cur, anchor) + sum(predict(h, anchor).total for h in range(horizon))
+        # Staying means staying while batches are generated: the run's last iterations, which only
+        # train, are planned alike by every plan (all ranks to training where that pays) until the
+        # decision just before them, so that their saving does not count as an earlier move's (it
+        # made a run move ranks it lost time on).
+        rollouts = sum(gen is not None for (gen, _), _ in steps)
+        stay = self._switch_cost(cur, anchor) + sum(predict(h, anchor).total for h in range(rollouts or horizon))
+        if 0 < rollouts < horizon:
+            stay += min(self._switch_cost(anchor, k2) + sum(predict(h, k2).total for h in range(rollouts, horizon))
+                        for k2 in cands)
         return paths[end], stay, value[end], {k: predict(0, k) for k in cands}
 
     def _switch_cost(self, k: int, k2: int, engines_from: int | None = None) -> float:

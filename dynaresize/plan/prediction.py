@@ -23,6 +23,7 @@ the forecast ones and corrects the cost model by the ratio of measured to predic
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -51,6 +52,10 @@ AHEAD = 8             # batches past the newest seen batch a trend is extrapolat
 CHOICE_WINDOW = 8     # a task's latest one-step errors by which its forecast variant is chosen
 CHOICE_MARGIN = 0.8   # another variant replaces the default when its error is below this x the default's
 GROWTH_STEP = 0.04    # a member's growth (log of its length scale) is rounded to this (4 % in length)
+PERIODS = range(2, 33)    # periods (in batches) with which a task's mean lengths may be found to repeat
+HISTORY = 2 * PERIODS[-1]     # a task's newest mean lengths kept to find a period in (two of the longest)
+PERIOD_PAIRS = 8      # pairs of batches a period apart its test needs, at least
+PERIOD_MARGIN = 0.5   # a period is found where its differences are below this x those of one batch apart
 PLACEMENTS = 2 * ENSEMBLE     # prompt sets whose placements IterationModel keeps (a forecast's, and more)
 assert ENSEMBLE >= TREND_WINDOW     # the trend is read from the batches a forecast keeps
 _PRIOR_STREAM = 0x70726972    # "prir": the configured workload's sample batch (not a real batch)
@@ -116,15 +121,19 @@ class Lengths:
 @dataclass(frozen=True)
 class Variant:
     """How a forecast replays a task's batches: how many of the newest, each grown by the trend
-    fitted over the task's newest `trend` batches (0: none)."""
+    fitted over the task's newest `trend` batches (0: none), or, `periodic`, each scaled to the
+    mean length the task had a period before the forecast batch (LengthForecast.period)."""
     trend: int
     replayed: int
+    periodic: bool = False
 
 
 # The first is the default: every batch it can replay, grown by the trend of TREND_WINDOW batches
 # (right on stationary and steadily drifting lengths); the others replace it where their measured
-# error is lower: no trend, or few batches with the trend of those few (lengths that rise and fall).
-VARIANTS = (Variant(TREND_WINDOW, ENSEMBLE), Variant(0, ENSEMBLE), Variant(0, RECENT), Variant(RECENT, RECENT))
+# error is lower: no trend, or few batches with the trend of those few (lengths that change fast),
+# or the lengths of a period before (lengths that rise and fall in cycles: a cycling curriculum).
+VARIANTS = (Variant(TREND_WINDOW, ENSEMBLE), Variant(0, ENSEMBLE), Variant(0, RECENT), Variant(RECENT, RECENT),
+            Variant(0, RECENT, periodic=True))
 
 
 @dataclass(frozen=True)
@@ -438,7 +447,8 @@ def uncensor(lengths: np.ndarray, cut: int) -> np.ndarray:
     """`lengths` with the responses cut at `cut` (known only to be at least that long) replaced by
     evenly spaced quantiles of the tail beyond `cut` of a log-normal fitted to the batch: its median
     and 16th percentile, both below the cut while under half the batch is cut. Unchanged if no
-    response is cut, or half or more are (too little left to fit)."""
+    response is cut, or half or more are (too little left to fit), or the fit puts the cut beyond
+    its reach (cut responses of another mode than the rest: nothing to say how far they run)."""
     is_cut = lengths >= cut
     n_cut = int(is_cut.sum())
     if n_cut == 0 or 2 * n_cut >= lengths.size:
@@ -446,6 +456,8 @@ def uncensor(lengths: np.ndarray, cut: int) -> np.ndarray:
     q16, q50 = np.quantile(np.log(np.maximum(lengths, 1)), [0.158655, 0.5])
     normal = statistics.NormalDist(float(q50), max(float(q50 - q16), 1e-6))
     beyond = normal.cdf(math.log(cut))
+    if beyond >= 1.0:
+        return lengths
     tail = [math.exp(normal.inv_cdf(beyond + (1 - beyond) * (i + 0.5) / n_cut)) for i in range(n_cut)]
     out = lengths.copy()
     out[is_cut] = np.maximum(np.round(tail), cut).astype(lengths.dtype)
@@ -460,9 +472,10 @@ class LengthForecast:
     same grown batches, and their prices, are reused) (a least-squares slope of log mean length over the last
     TREND_WINDOW, compared at the lowest cap among them; extrapolated at most AHEAD batches past
     the newest) and cut at the forecast batch's configured cap (responses cut at a lower cap of
-    their own batch continue past it: `uncensor`). Where that has predicted the task's latest
-    batches clearly worse than replaying fewer batches or no trend (lengths that rise and fall),
-    the better variant is used (`variant`). A rollout's time is floored by
+    their own batch continue past it, as where a batch is scaled down: `uncensor`). Where that
+    has predicted the task's latest batches clearly worse than replaying fewer batches, no
+    trend, or the lengths of a period before (lengths that rise and fall: `period`), the better
+    variant is used (`variant`). A rollout's time is floored by
     its longest sequences, which differ from batch to batch: a prediction averaged over several
     batches estimates the expected time, where one batch would chase the noise of its tail. A task
     not seen yet is a sample of the configured workload (drawn with a seed of its own, not the
@@ -482,7 +495,10 @@ class LengthForecast:
         self._members: dict[tuple[int, int, int], Lengths] = {}
         self._used: set[tuple[int, int, int]] = set()      # members used since the last batch seen
         # task -> each variant's latest errors predicting a batch's mean length before it was seen
+        # (None: the variant made no forecast of that batch)
         self.errors: dict[int, dict[Variant, deque]] = {}
+        self.levels: dict[int, dict[int, float]] = {}    # task -> {batch: log mean length}, HISTORY newest
+        self._periods: dict[int, int] = {}              # task -> period(task), until it sees a batch
 
     def observe(self, b: int, batch: Lengths) -> None:
         task = task_index(self.w, b)
@@ -499,6 +515,12 @@ class LengthForecast:
         self._used.clear()
         for key in [key for key in self._growth if key[0] == task]:
             del self._growth[key]
+        levels = self.levels.setdefault(task, {})
+        if batch.response_stats[0] > 0:
+            levels[b] = math.log(batch.response_stats[0])
+        for old in [x for x in levels if x <= b - HISTORY]:
+            del levels[old]
+        self._periods.pop(task, None)
 
     def growth(self, task: int, window: int = TREND_WINDOW) -> float:
         """The task's log growth of mean length per batch: the least-squares slope over its last
@@ -541,16 +563,51 @@ class LengthForecast:
         errors = self.errors.setdefault(task, {v: deque(maxlen=CHOICE_WINDOW) for v in VARIANTS})
         for v in VARIANTS:
             predicted = self._mean_length(task, b, v)
-            if predicted > 0:
-                errors[v].append(abs(math.log(predicted / actual)))
+            errors[v].append(abs(math.log(predicted / actual)) if predicted > 0 else None)
 
     def _mean_length(self, task: int, b: int, v: Variant) -> float:
-        """The mean response length of batch b that variant v forecasts (before any cap)."""
-        growth = self.growth(task, v.trend)
-        reach = min(b, self.recent[task][-1][0] + AHEAD)
-        means = [x.response_stats[0] * math.exp(growth * (reach - b0))
+        """The mean response length of batch b that variant v forecasts (before any cap; 0: none)."""
+        means = [x.response_stats[0] * math.exp(self._shift(task, b, b0, v))
                  for b0, x in list(self.recent[task])[-v.replayed:] if x.response_lens.size]
-        return float(np.mean(means)) if means else 0.0
+        return float(np.mean(means)) if means and all(m > 0 for m in means) else 0.0
+
+    def _shift(self, task: int, b: int, b0: int, v: Variant) -> float:
+        """The log of the factor by which variant v scales the task's seen batch b0 to forecast
+        batch b: its trend over the batches between (held past AHEAD batches beyond the newest
+        seen), or the step from b0's mean length to that of a period before b (-inf: no such
+        batch seen, or no period found)."""
+        if v.periodic:
+            level = self.periodic_level(task, b)
+            return level - self.levels[task].get(b0, math.inf) if level is not None else -math.inf
+        return self.growth(task, v.trend) * (min(b, self.recent[task][-1][0] + AHEAD) - b0)
+
+    def period(self, task: int) -> int:
+        """The period (in batches, of PERIODS) with which the task's mean lengths repeat, 0 if
+        none: the shortest lag whose differences of log mean length, over at least PERIOD_PAIRS
+        pairs of the task's newest HISTORY batches, are within 25 % of the smallest of any lag and
+        below PERIOD_MARGIN x those of batches one apart (a trend, noise or a step have no such
+        lag: theirs grow with the lag or stay the same)."""
+        if task not in self._periods:
+            levels = self.levels.get(task, {})
+
+            def differences(lag: int) -> float:
+                d = [abs(y - levels[x - lag]) for x, y in levels.items() if x - lag in levels]
+                return float(np.mean(d)) if len(d) >= PERIOD_PAIRS else math.inf
+            by_lag = {lag: differences(lag) for lag in PERIODS}
+            smallest, adjacent = min(by_lag.values()), differences(1)
+            found = smallest < PERIOD_MARGIN * adjacent < math.inf
+            self._periods[task] = min(lag for lag, d in by_lag.items() if d <= 1.25 * smallest) if found else 0
+        return self._periods[task]
+
+    def periodic_level(self, task: int, b: int) -> float | None:
+        """The log mean length the task's period says batch b has: the mean of the two latest
+        batches seen a whole number of periods before b (None: no period, or none seen)."""
+        p, levels = self.period(task), self.levels.get(task, {})
+        if not p or not levels:
+            return None
+        first = max(1, -(-(b - max(levels)) // p))       # the fewest periods back to a batch seen
+        seen = [levels[b - j * p] for j in (first, first + 1) if b - j * p in levels]
+        return float(np.mean(seen)) if seen else None
 
     def variant(self, task: int) -> Variant:
         """The variant the task's forecasts use: the default (VARIANTS[0]) unless another has
@@ -560,9 +617,10 @@ class LengthForecast:
         batches replayed belong to another phase; where they drift steadily, the default wins."""
         default = VARIANTS[0]
         errors = self.errors.get(task)
-        if not errors or len(errors[default]) < CHOICE_WINDOW // 2:
+        if not errors or sum(e is not None for e in errors[default]) < CHOICE_WINDOW // 2:
             return default
-        mean = {v: sum(e) / len(e) for v, e in errors.items()}
+        # a variant that made no forecast of one of the latest batches is not chosen
+        mean = {v: sum(e) / len(e) if None not in e else math.inf for v, e in errors.items()}
         best = min(VARIANTS, key=lambda v: mean[v])       # ties: the first (VARIANTS' order)
         return best if mean[best] < CHOICE_MARGIN * mean[default] else default
 
@@ -591,20 +649,24 @@ class LengthForecast:
         if task not in self.recent:
             return self.prior(b), ("prior", b)
         v, cap = self.variant(task), response_cap(self.w, b)
-        growth = self.growth(task, v.trend)
-        reach = min(b, self.recent[task][-1][0] + AHEAD)       # the trend is held past AHEAD batches
+        if v.periodic and self.periodic_level(task, b) is None:    # no batch seen a period before b
+            v = dataclasses.replace(v, periodic=False)
         members, key = [], []
         for b0, seen in list(self.recent[task])[-v.replayed:]:
-            steps = round(growth * (reach - b0) / GROWTH_STEP)
+            shift = self._shift(task, b, b0, v)
+            steps = round(shift / GROWTH_STEP) if math.isfinite(shift) else 0
             cut = response_cap(self.w, b0)
             _, shortest, longest = seen.response_stats
-            cap_rises = cut < cap and longest >= cut
-            if steps == 0 and not cap_rises and 1 <= shortest and longest <= cap:
+            # responses cut at the seen batch's cap continue past it where the forecast can see
+            # beyond that cap: it rose, or the batch is scaled down (a cut response scaled down
+            # would end where the truth still runs on: the longest, which floor a rollout's time)
+            sees_past_cut = longest >= cut and (cut < cap or steps < 0)
+            if steps == 0 and not sees_past_cut and 1 <= shortest and longest <= cap:
                 members.append(seen)                  # the batch as seen
             else:
                 grown = (b0, steps, cap)
                 if grown not in self._members:
-                    lens = uncensor(seen.response_lens, cut) if cap_rises else seen.response_lens
+                    lens = uncensor(seen.response_lens, cut) if sees_past_cut else seen.response_lens
                     lens = np.clip(np.round(lens * math.exp(steps * GROWTH_STEP)), 1, cap).astype(np.int64)
                     self._members[grown] = Lengths(seen.prompt_lens, lens, seen.trained, seen.rounds)
                 self._used.add(grown)
@@ -616,15 +678,19 @@ class LengthForecast:
         """What was observed, as plain data (JSON): lists of [batch or task, ...] pairs."""
         return {"generated": [[b, x.to_data()] for b, x in self.generated.items()],
                 "recent": [[t, [[b, x.to_data()] for b, x in d]] for t, d in self.recent.items()],
-                "errors": [[t, [list(e[v]) for v in VARIANTS]] for t, e in self.errors.items()]}
+                "errors": [[t, [list(e[v]) for v in VARIANTS]] for t, e in self.errors.items()],
+                "levels": [[t, [[b, level] for b, level in d.items()]] for t, d in self.levels.items()]}
 
     def load_state(self, state: dict) -> None:
         self.generated = {int(b): Lengths.from_data(x) for b, x in state["generated"]}
         self.recent = {int(t): deque(((int(b), Lengths.from_data(x)) for b, x in d), maxlen=ENSEMBLE)
                        for t, d in state["recent"]}
-        self.errors = {int(t): {v: deque(e, maxlen=CHOICE_WINDOW) for v, e in zip(VARIANTS, errors)}
-                       for t, errors in state.get("errors", [])}      # a checkpoint of before: none
-        self._growth = {}
+        # a checkpoint of before: no errors, or not those of every variant; no levels
+        self.errors = {int(t): {v: deque(e, maxlen=CHOICE_WINDOW) for v, e in
+                                zip(VARIANTS, errors + [[None]] * (len(VARIANTS) - len(errors)))}
+                       for t, errors in state.get("errors", [])}
+        self.levels = {int(t): {int(b): float(level) for b, level in d} for t, d in state.get("levels", [])}
+        self._growth, self._periods = {}, {}
 
 
 __all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast", "crossing", "uncensor", "workload_sample"]
