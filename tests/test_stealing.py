@@ -11,6 +11,7 @@ import pytest
 from conftest import run_cli
 from test_resize import assert_same_rl, timeline
 
+from dynaresize.plan.sorting import stable_argsort, stable_argsort_descending
 from dynaresize.plan.stealing import claim_schedule, queue_order, worth_joining
 
 
@@ -80,6 +81,18 @@ def test_claims_without_helpers_are_list_scheduling(workers):
     ready = np.full(workers, 2.0)
     ready[0] = 0.0
     assert claim_schedule(np.full(3, 2.0), ready)[0].tolist() == step_by_step_claims([2.0] * 3, ready)[0]
+
+
+def test_the_fast_stable_sorts_are_numpys_stable_sort():
+    # whole numbers by 16-bit radix passes (one below 2**16, two below 2**32), anything else by
+    # numpy: the same order as numpy's stable sort, ties (many, here) by index, either way round
+    rng = np.random.default_rng(7)
+    for high in (1, 3, 700, 2**16, 70_000, 2**32, 2**40):
+        for n in (0, 1, 5, 4_000):
+            keys = rng.integers(0, high, n)
+            for x in (keys, keys.astype(np.float64), keys + 0.5, keys - high // 2, keys.astype(np.int32)):
+                assert stable_argsort(x).tolist() == np.argsort(x, kind="stable").tolist()
+                assert stable_argsort_descending(x).tolist() == np.argsort(-x, kind="stable").tolist()
 
 
 def test_work_stealing_keeps_the_rl_exact(static_run, static_lag0_run, tmp_path):

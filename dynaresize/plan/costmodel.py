@@ -50,6 +50,7 @@ import numpy as np
 from .hardware import (HardwareProfile, ModelSpec, ProfileError, analytic_coefficients, kv_capacity_tokens,
                        load_profile)
 from .memory import TrainSettings, train_fits
+from .sorting import stable_argsort
 
 # Activation checkpointing runs each layer's forward again in backward: forward 2P + backward 4P
 # FLOPs a token become 8P (Korthikanti et al., "Reducing Activation Recomputation in Large
@@ -111,7 +112,7 @@ class Placement:
         self.assign = np.asarray(assign, dtype=np.int64)
         self.ranks = ranks
         self.groups = np.bincount(self.assign, minlength=ranks)
-        self.order = np.argsort(self.assign, kind="stable")     # each rank's groups, in index order
+        self.order = stable_argsort(self.assign)     # each rank's groups, in index order
         self.starts = np.concatenate(([0], np.cumsum(self.groups)))
         self.held = np.flatnonzero(self.groups)
 
@@ -380,7 +381,7 @@ class CostModel:
         assign = np.asarray(assign, dtype=np.int64)
         spp = L.shape[1]
         # every sequence, ordered as a rank admits them: its groups in index order, samples in order
-        order = np.argsort(assign, kind="stable")
+        order = stable_argsort(assign)
         rank = np.repeat(assign[order], spp)
         prompt = np.repeat(P[order], spp)
         length = L[order].ravel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .sorting import stable_argsort_descending
 from .stealing import claim_schedule, queue_order
 
 
@@ -35,7 +36,7 @@ def serpentine(weights, ranks: int, order: np.ndarray | None = None) -> np.ndarr
 
 def by_weight(weights) -> np.ndarray:
     """The items' indices, the largest weight first (ties: by index)."""
-    return np.argsort(-np.asarray(weights), kind="stable")
+    return stable_argsort_descending(weights)
 
 
 def place_prompts(prompt_lens, ranks: int, order: np.ndarray | None = None) -> np.ndarray:

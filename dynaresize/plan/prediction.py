@@ -464,6 +464,21 @@ def uncensor(lengths: np.ndarray, cut: int) -> np.ndarray:
     return out
 
 
+def lag_differences(levels: dict[int, float]) -> np.ndarray:
+    """For each lag 1..PERIODS[-1]: the mean |L(b) - L(b - lag)| over the batches b with both in
+    `levels` (batch -> log mean length), inf where fewer than PERIOD_PAIRS such pairs are seen.
+    One array operation for all lags: a decision of every iteration finds the period anew."""
+    lags = np.arange(1, PERIODS[-1] + 1)
+    if not levels:
+        return np.full(len(lags), math.inf)
+    first, n = min(levels), max(levels) - min(levels) + 1
+    series = np.full(n + lags[-1], np.nan)           # by batch from the first seen, NaN: not seen
+    series[np.fromiter(levels, dtype=np.int64, count=len(levels)) - first] = list(levels.values())
+    d = np.abs(series[lags[:, None] + np.arange(n)] - series[:n])      # (lag, b): |L(b + lag) - L(b)|
+    pairs = np.count_nonzero(~np.isnan(d), axis=1)
+    return np.where(pairs >= PERIOD_PAIRS, np.nansum(d, axis=1) / np.maximum(pairs, 1), math.inf)
+
+
 class LengthForecast:
     """The batches of the coming iterations, from the batches generated so far (see the module
     docstring). Per task of a mixture (tasks rotate by a configured schedule), the forecast of a
@@ -499,6 +514,7 @@ class LengthForecast:
         self.errors: dict[int, dict[Variant, deque]] = {}
         self.levels: dict[int, dict[int, float]] = {}    # task -> {batch: log mean length}, HISTORY newest
         self._periods: dict[int, int] = {}              # task -> period(task), until it sees a batch
+        self._forecasts: dict[int, tuple] = {}          # b -> forecast(b), until a batch is seen
 
     def observe(self, b: int, batch: Lengths) -> None:
         task = task_index(self.w, b)
@@ -521,6 +537,7 @@ class LengthForecast:
         for old in [x for x in levels if x <= b - HISTORY]:
             del levels[old]
         self._periods.pop(task, None)
+        self._forecasts.clear()
 
     def growth(self, task: int, window: int = TREND_WINDOW) -> float:
         """The task's log growth of mean length per batch: the least-squares slope over its last
@@ -588,15 +605,10 @@ class LengthForecast:
         below PERIOD_MARGIN x those of batches one apart (a trend, noise or a step have no such
         lag: theirs grow with the lag or stay the same)."""
         if task not in self._periods:
-            levels = self.levels.get(task, {})
-
-            def differences(lag: int) -> float:
-                d = [abs(y - levels[x - lag]) for x, y in levels.items() if x - lag in levels]
-                return float(np.mean(d)) if len(d) >= PERIOD_PAIRS else math.inf
-            by_lag = {lag: differences(lag) for lag in PERIODS}
-            smallest, adjacent = min(by_lag.values()), differences(1)
+            by_lag = lag_differences(self.levels.get(task, {}))      # lag 1, 2, .. PERIODS[-1]
+            smallest, adjacent = by_lag[1:].min(), by_lag[0]
             found = smallest < PERIOD_MARGIN * adjacent < math.inf
-            self._periods[task] = min(lag for lag, d in by_lag.items() if d <= 1.25 * smallest) if found else 0
+            self._periods[task] = int(np.argmax(by_lag[1:] <= 1.25 * smallest)) + PERIODS[0] if found else 0
         return self._periods[task]
 
     def periodic_level(self, task: int, b: int) -> float | None:
@@ -642,7 +654,13 @@ class LengthForecast:
 
     def forecast(self, b: int) -> tuple[list[Lengths], tuple]:
         """(the forecast of batch b: one or more equally likely batches, a key: equal keys,
-        equal forecasts)."""
+        equal forecasts), the same until a batch is seen (a plan asks for most batches twice: to
+        generate, and to train on the next iteration)."""
+        if b not in self._forecasts:
+            self._forecasts[b] = self._forecast(b)
+        return self._forecasts[b]
+
+    def _forecast(self, b: int) -> tuple[list[Lengths], tuple]:
         if b in self.generated:
             return [self.generated[b]], ("generated", b)
         task = task_index(self.w, b)
@@ -690,7 +708,7 @@ class LengthForecast:
                                 zip(VARIANTS, errors + [[None]] * (len(VARIANTS) - len(errors)))}
                        for t, errors in state.get("errors", [])}
         self.levels = {int(t): {int(b): float(level) for b, level in d} for t, d in state.get("levels", [])}
-        self._growth, self._periods = {}, {}
+        self._growth, self._periods, self._forecasts = {}, {}, {}
 
 
 __all__ = ["Lengths", "Prediction", "IterationModel", "LengthForecast", "crossing", "uncensor", "workload_sample"]

@@ -28,11 +28,13 @@ import heapq
 
 import numpy as np
 
+from .sorting import stable_argsort_descending
+
 
 def queue_order(tokens) -> np.ndarray:
     """The micro-batches (indices into `tokens`, their token counts) in the queue's order: most
     tokens first, ties by index."""
-    return np.argsort(-np.asarray(tokens, dtype=np.float64), kind="stable")
+    return stable_argsort_descending(np.asarray(tokens, dtype=np.float64))
 
 
 class MicroBatchQueue:
@@ -193,8 +195,8 @@ def _claims_in_rounds(dur: np.ndarray, ready: np.ndarray):
     while i < n:
         order = np.argsort(free, kind="stable")
         t, d = free[order[:n - i]], dur[i:i + k]
-        before = t < t[0] + d
-        m = len(d) if before.all() else max(int(np.argmin(before)), 1)
+        # t rises and t[0] + d falls along the order: the workers before are a prefix
+        m = max(int(np.count_nonzero(t < t[0] + d)), 1)
         owner[i:i + m], start[i:i + m] = order[:m], t[:m]
         free[order[:m]] = t[:m] + d[:m]
         i += m

@@ -34,7 +34,8 @@ register_schema()
 def summary_line(path: str) -> str:
     """One line about a simulated run, read back from its timeline (h5py only)."""
     from ..timeline.reader import read_arrays
-    attrs, data = read_arrays(path, ("iterations", "events", "decisions"))
+    attrs, data = read_arrays(path, ("iterations", "events", "decisions"),
+                              fields={"events": ["name", "tokens"], "decisions": ["action"]})
     its, ev = data["iterations"], data["events"]
     tokens = int(ev["tokens"][ev["name"] == b"rollout"].astype(np.int64).sum())
     moves = int((data["decisions"]["action"] == b"move").sum())

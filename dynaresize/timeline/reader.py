@@ -57,11 +57,13 @@ def open_timeline(path: str | os.PathLike, swmr: bool = False, locking: bool | N
     return f
 
 
-def read_arrays(path: str | os.PathLike, names=tuple(DATASETS), swmr: bool = False) -> tuple[dict, dict]:
-    """The file's attributes (plain Python values) and the datasets `names` as structured arrays."""
+def read_arrays(path: str | os.PathLike, names=tuple(DATASETS), swmr: bool = False,
+                fields: dict[str, list[str]] | None = None) -> tuple[dict, dict]:
+    """The file's attributes (plain Python values) and the datasets `names` as structured arrays
+    (of a dataset named in `fields`, only the fields listed there)."""
     with open_timeline(path, swmr=swmr) as f:
         attrs = {key: plain(value) for key, value in f.attrs.items()}
-        return attrs, {name: dataset(f, name) for name in names}
+        return attrs, {name: dataset(f, name, (fields or {}).get(name)) for name in names}
 
 
 def plain(value):

@@ -132,9 +132,13 @@ def decode_attrs(raw: bytes) -> dict:
     return json.loads(raw) if raw else {}
 
 
-def dataset(f, name: str) -> np.ndarray:
-    """Dataset `name` of an open, checked timeline file; empty if its schema version predates it."""
-    return f[name][...] if name in f else np.zeros(0, dtype=DATASETS[name])
+def dataset(f, name: str, fields: list[str] | None = None) -> np.ndarray:
+    """Dataset `name` of an open, checked timeline file (only its `fields`, if given: a large run's
+    events are mostly their attrs); empty if its schema version predates it."""
+    if name not in f:
+        empty = np.zeros(0, dtype=DATASETS[name])
+        return empty[fields] if fields else empty
+    return f[name].fields(fields)[...] if fields else f[name][...]
 
 
 def rows(dtype: np.dtype, records: list[dict]) -> np.ndarray:
