@@ -11,13 +11,14 @@ here); the bound asserted is 1e-3. Samples are identical.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import run_cli
+from conftest import run_cli, run_ranks
 from test_resize import SCHEDULE, switch_ops, timeline
 
 FULL = "trainer.sharding=full"
@@ -117,3 +118,11 @@ def test_resizes_reshard_through_dcp_moving_only_shards(full_static, tmp_path):
             checked += 1
     assert checked >= 30
     assert ev[(ev["name"] == b"stage_in") & (ev["iteration"] == 1)]["bytes"].max() < shard_bytes(numel, 1) / 2
+
+
+def test_the_chunked_output_head_computes_the_same_sharded_gradient(tmp_path):
+    # FSDP2's root holds the head: the chunked head runs after a forward of the whole model
+    proc = run_ranks(2, "fsdp_chunked_head", tmp_path, timeout=300)
+    result = json.loads(proc.stdout.split("OK ", 1)[1])
+    assert set(result) == {"chunked", "chunked+checkpointed"}
+    assert all(r["max_rel_grad_diff"] < 1e-5 and r["grad_values"] > 0 for r in result.values())

@@ -238,9 +238,6 @@ def validate(cfg: JobConfig) -> None:
         need(not t.work_stealing, "trainer.work_stealing", "is true with trainer.sharding=full: a helper's "
              "gradient sums are sent as ranges of the ZeRO-1 flat vector", "use trainer.sharding=optimizer, or "
              "drop trainer.work_stealing")
-        need(t.logit_chunk_tokens == 0, "trainer.logit_chunk_tokens", f"is {t.logit_chunk_tokens} with "
-             "trainer.sharding=full: the chunked head runs the decoder outside FSDP2's root module",
-             "use trainer.logit_chunk_tokens=0, or trainer.sharding=optimizer")
         need(s.transport != "network" and c.nodes == 1, "trainer.sharding",
              f"is full on {c.nodes} node(s) with staging.transport={s.transport}: the fully sharded trainer "
              "reshards through node-local files only (one node); across nodes that is not built yet",

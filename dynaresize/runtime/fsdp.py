@@ -51,7 +51,9 @@ def shard_model(model, group, device_type: str = "cpu", compute_dtype: str = "fl
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=DTYPES[reduce_dtype])
     for layer in model.get_decoder().layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # the root's parameters stay gathered from its forward to the backward (FSDP2's default for a
+    # root, stated: the chunked output head, trainer.logit_chunk_tokens, runs after the forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     for module in model.modules():      # a plain sum over the ranks, not FSDP's default mean
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

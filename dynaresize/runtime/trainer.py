@@ -201,12 +201,21 @@ class GRPOTrainer:
 
         With `trainer.logit_chunk_tokens`, the output head runs that many tokens at a time, each
         chunk under activation checkpointing, so that only one chunk's logits (vocabulary-wide,
-        in float32) exist at once, forward or backward (a Qwen2/Llama head: logits = lm_head(h))."""
+        in float32) exist at once, forward or backward (a Qwen2/Llama head: logits = lm_head(h)).
+        The decoder's output is taken from a forward of the whole model that computes one
+        position's logits: FSDP2 gathers the embedding, final norm and head, which its root unit
+        holds, in the root's forward (and keeps them gathered until the backward)."""
         chunk, targets = self.cfg.logit_chunk_tokens, ids[:, 1:]
         if chunk <= 0:
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
             return self._head_logprobs(logits, targets, entropy)
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1]
+        decoded = []
+        hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: decoded.append(out.last_hidden_state))
+        try:
+            model(input_ids=ids, attention_mask=attention, logits_to_keep=1)
+        finally:
+            hook.remove()
+        hidden = decoded[0][:, :-1]
         flat_h, flat_t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         head = model.get_output_embeddings()
         parts = [checkpoint(lambda h, t: self._head_logprobs(head(h), t, entropy), flat_h[i:i + chunk],

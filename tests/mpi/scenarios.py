@@ -273,7 +273,51 @@ def dcp_reshard(ctrl: ControlPlane, out_dir: str) -> dict:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training, waiting, dcp_reshard)}
+def fsdp_chunked_head(ctrl: ControlPlane, out_dir: str) -> dict:
+    """The fully sharded trainer (FSDP2 over 2 ranks) with its output head run in chunks
+    (trainer.logit_chunk_tokens), also under activation checkpointing, with a KL reference (also
+    sharded): each rank's gradient shards, the loss and the metrics equal the plain head's up to
+    float32 rounding."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from dynaresize.config import ModelConfig, TrainerConfig
+    from dynaresize.data.model import BOS_ID, EOS_ID, prepare_checkpoint
+    from dynaresize.runtime.fsdp import FullyShardedTrainer
+    from dynaresize.runtime.types import Sample
+
+    ctrl.init_data_plane("cpu")
+    group = dist.new_group([0, 1])
+    path = os.path.join(out_dir, "model")
+    if ctrl.rank == 0:
+        prepare_checkpoint(ModelConfig(), path)
+    ctrl.barrier()
+    rng = np.random.default_rng(0)
+    samples = []
+    for i, length in enumerate((3, 9, 17, 30, 5, 12, 24, 2)):      # 4 prompts of 2 samples
+        prompt = [BOS_ID] + rng.integers(3, 15, 4 + i // 2).tolist()
+        response = rng.integers(3, 15, length - 1).tolist() + [EOS_ID]
+        samples.append(Sample(0, i, i // 2, 1, prompt, response, [-1.0] * length, 64, float(rng.random())))
+    runs = {}
+    for name, settings in (("plain", {}), ("chunked", {"logit_chunk_tokens": 7}),
+                           ("chunked+checkpointed", {"logit_chunk_tokens": 16, "activation_checkpointing": True})):
+        cfg = TrainerConfig(grad_clip=0.0, kl_coef=0.1, sharding="full", micro_batch_size=2, **settings)
+        t = FullyShardedTrainer(load_model(path), cfg, 1.0, "cpu", group, [0, 1], ctrl.rank)
+        _, info = t.compute_gradient(samples)
+        grads = torch.cat([p.grad.to_local().reshape(-1) for p in t.model.parameters() if p.grad is not None])
+        runs[name] = (grads, info)
+    grads, info = runs.pop("plain")
+    result = {}
+    for name, (g, i) in runs.items():
+        rel = float((g - grads).abs().max() / grads.abs().max())
+        assert rel < 1e-5, (name, rel)
+        for key, value in info["sums"].items():
+            assert abs(i["sums"][key] - value) <= 1e-5 * abs(value) + 1e-6, (name, key, i["sums"][key], value)
+        result[name] = {"max_rel_grad_diff": rel, "grad_values": int(g.numel())}
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training, waiting, dcp_reshard, fsdp_chunked_head)}
 
 
 def run_scenario(scenarios: dict) -> None:
