@@ -23,9 +23,19 @@ def in_mpi_job() -> bool:
     return int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ
 
 
+# Open MPI 5's ob1 can crash inside MPI_Init when a message on MPI_COMM_WORLD arrives from a rank
+# released from the start-up fence before this one, which has not set that communicator up yet
+# (open-mpi/ompi issues 11438, 12495). Seen under srun only, in requeued attempts
+# (docs/guide/slurm.md). The fence's release reaches every rank within milliseconds: a rank
+# started by srun waits this long before its first message.
+SRUN_FIRST_MESSAGE_DELAY_S = 1.0
+
+
 class ControlPlane:
     def __init__(self):
         from mpi4py import MPI
+        if "SLURM_STEP_ID" in os.environ:
+            time.sleep(SRUN_FIRST_MESSAGE_DELAY_S)
         self.MPI = MPI
         self.comm = MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
