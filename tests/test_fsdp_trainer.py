@@ -120,9 +120,11 @@ def test_resizes_reshard_through_dcp_moving_only_shards(full_static, tmp_path):
     assert ev[(ev["name"] == b"stage_in") & (ev["iteration"] == 1)]["bytes"].max() < shard_bytes(numel, 1) / 2
 
 
-def test_the_chunked_output_head_computes_the_same_sharded_gradient(tmp_path):
-    # FSDP2's root holds the head: the chunked head runs after a forward of the whole model
-    proc = run_ranks(2, "fsdp_chunked_head", tmp_path, timeout=300)
+def test_the_first_rank_scatters_the_model_and_the_chunked_head_computes_the_same_gradient(tmp_path):
+    # the model read by one rank, scattered (weights compared bit for bit by the scenario); FSDP2's
+    # root holds the head: the chunked head runs after a forward of the whole model
+    proc = run_ranks(2, "fsdp_start_and_chunked_head", tmp_path, timeout=300)
     result = json.loads(proc.stdout.split("OK ", 1)[1])
+    assert result.pop("scattered_tensors") > 0
     assert set(result) == {"chunked", "chunked+checkpointed"}
     assert all(r["max_rel_grad_diff"] < 1e-5 and r["grad_values"] > 0 for r in result.values())

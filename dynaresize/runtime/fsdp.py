@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..config import TrainerConfig
@@ -78,7 +79,8 @@ def held_bytes(model, optimizer: torch.optim.Optimizer) -> dict[str, int]:
 
 class FullyShardedTrainer(GRPOTrainer):
     """GRPO on FSDP2 over one train group (see the module docstring). `model`: the job's model in
-    float32 (its full weights, sharded here), or on the meta device when `load` fills it."""
+    float32 (its full weights, sharded here), or on the meta device when `load` or
+    `scatter_weights` fills it."""
 
     def __init__(self, model, cfg: TrainerConfig, temperature: float, device: str, group,
                  group_ranks: list[int], rank: int, compute_dtype: str = "float32"):
@@ -88,7 +90,7 @@ class FullyShardedTrainer(GRPOTrainer):
         shard_model(model, group, device_type, compute_dtype, cfg.grad_reduce_dtype)
         if self.ref_model is not None:
             shard_model(self.ref_model, group, device_type, compute_dtype, cfg.grad_reduce_dtype)
-        if next(model.parameters()).is_meta:      # filled by load()
+        if next(model.parameters()).is_meta:      # filled by load() or scatter_weights()
             for m in (model, self.ref_model):
                 if m is not None:
                     materialize(m, device)
@@ -97,6 +99,19 @@ class FullyShardedTrainer(GRPOTrainer):
 
     def resolve_pending(self) -> None:
         """Nothing arrives late: a resize loads the whole shard before the first forward."""
+
+    def scatter_weights(self, full: dict[str, torch.Tensor] | None) -> None:
+        """Fill the shards of the model (and of its KL reference) with the full weights `full`,
+        a state dict the group's first rank holds (in host memory; None on the others): one
+        parameter at a time, scattered over the group (DTensor's distribute_tensor, from the
+        mesh's first rank), so that no other rank ever holds the model, and none more than one
+        whole parameter on its device."""
+        with torch.no_grad():
+            for model in (self.model, self.ref_model):
+                for name, p in (model.named_parameters() if model is not None else ()):
+                    whole = (full[name].to(device=self.device, dtype=p.dtype) if full is not None
+                             else torch.empty(p.shape, dtype=p.dtype, device=self.device))
+                    p.to_local().copy_(distribute_tensor(whole, p.device_mesh, p.placements).to_local())
 
     # --- one policy update --------------------------------------------------------------------
     def compute_gradient(self, samples: list[Sample], queue=None, each=None) -> tuple[None, dict]:

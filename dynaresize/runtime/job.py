@@ -233,10 +233,14 @@ class Job:
 
     def new_sharded_trainer(self, group, ranks: list[int], empty: bool = False) -> FullyShardedTrainer:
         """trainer.sharding=full: a trainer of this job's model sharded over `group` (global ranks
-        `ranks`): the initial weights, or `empty` (no weights held: its load() fills them)."""
-        model = empty_model(self.model_dir) if empty else load_model(self.model_dir, "float32", self.device)
-        return FullyShardedTrainer(model, self.cfg.trainer, self.cfg.rollout.temperature, self.device, group,
-                                   ranks, self.rank, compute_dtype=self.cfg.model.dtype)
+        `ranks`): the initial weights, which the group's first rank reads and scatters (the others
+        never hold the whole model), or `empty` (its load() fills them)."""
+        trainer = FullyShardedTrainer(empty_model(self.model_dir), self.cfg.trainer, self.cfg.rollout.temperature,
+                                      self.device, group, ranks, self.rank, compute_dtype=self.cfg.model.dtype)
+        if not empty:
+            first = ranks.index(self.rank) == 0
+            trainer.scatter_weights(load_model(self.model_dir, "float32", "cpu").state_dict() if first else None)
+        return trainer
 
     def new_trainer(self, weights: torch.Tensor | None = None) -> ShardedTrainer:
         """A ZeRO-1 trainer of this job's model (float32 master weights), not yet in a train group."""

@@ -273,16 +273,17 @@ def dcp_reshard(ctrl: ControlPlane, out_dir: str) -> dict:
     return result
 
 
-def fsdp_chunked_head(ctrl: ControlPlane, out_dir: str) -> dict:
-    """The fully sharded trainer (FSDP2 over 2 ranks) with its output head run in chunks
-    (trainer.logit_chunk_tokens), also under activation checkpointing, with a KL reference (also
-    sharded): each rank's gradient shards, the loss and the metrics equal the plain head's up to
-    float32 rounding."""
+def fsdp_start_and_chunked_head(ctrl: ControlPlane, out_dir: str) -> dict:
+    """The fully sharded trainer (FSDP2 over 2 ranks) as a job starts it: its first rank reads
+    the model and scatters it (the other holds none of it whole), the model and its KL reference
+    then equal the checkpoint bit for bit. With its output head run in chunks
+    (trainer.logit_chunk_tokens), also under activation checkpointing: each rank's gradient shards,
+    the loss and the metrics equal the plain head's up to float32 rounding."""
     import numpy as np
     import torch.distributed as dist
 
     from dynaresize.config import ModelConfig, TrainerConfig
-    from dynaresize.data.model import BOS_ID, EOS_ID, prepare_checkpoint
+    from dynaresize.data.model import BOS_ID, EOS_ID, empty_model, prepare_checkpoint
     from dynaresize.runtime.fsdp import FullyShardedTrainer
     from dynaresize.runtime.types import Sample
 
@@ -298,16 +299,29 @@ def fsdp_chunked_head(ctrl: ControlPlane, out_dir: str) -> dict:
         prompt = [BOS_ID] + rng.integers(3, 15, 4 + i // 2).tolist()
         response = rng.integers(3, 15, length - 1).tolist() + [EOS_ID]
         samples.append(Sample(0, i, i // 2, 1, prompt, response, [-1.0] * length, 64, float(rng.random())))
-    runs = {}
+    checkpoint = load_model(path).state_dict()
+
+    def started(cfg: TrainerConfig) -> FullyShardedTrainer:
+        t = FullyShardedTrainer(empty_model(path), cfg, 1.0, "cpu", group, [0, 1], ctrl.rank)
+        t.scatter_weights(checkpoint if ctrl.rank == 0 else None)
+        return t
+
+    runs, result = {}, {}
     for name, settings in (("plain", {}), ("chunked", {"logit_chunk_tokens": 7}),
                            ("chunked+checkpointed", {"logit_chunk_tokens": 16, "activation_checkpointing": True})):
         cfg = TrainerConfig(grad_clip=0.0, kl_coef=0.1, sharding="full", micro_batch_size=2, **settings)
-        t = FullyShardedTrainer(load_model(path), cfg, 1.0, "cpu", group, [0, 1], ctrl.rank)
+        t = started(cfg)
+        if name == "plain":
+            whole = t.full_state_dict()          # collective; rank 0 gets the weights
+            assert ctrl.rank != 0 or (whole.keys() == checkpoint.keys() and
+                                      all(torch.equal(whole[k], checkpoint[k]) for k in checkpoint))
+            for (_, p), (_, r) in zip(t.model.named_parameters(), t.ref_model.named_parameters()):
+                assert torch.equal(p.to_local(), r.to_local())
+            result["scattered_tensors"] = len(whole)
         _, info = t.compute_gradient(samples)
         grads = torch.cat([p.grad.to_local().reshape(-1) for p in t.model.parameters() if p.grad is not None])
         runs[name] = (grads, info)
     grads, info = runs.pop("plain")
-    result = {}
     for name, (g, i) in runs.items():
         rel = float((g - grads).abs().max() / grads.abs().max())
         assert rel < 1e-5, (name, rel)
@@ -317,7 +331,8 @@ def fsdp_chunked_head(ctrl: ControlPlane, out_dir: str) -> dict:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training, waiting, dcp_reshard, fsdp_chunked_head)}
+SCENARIOS = {f.__name__: f for f in (placement, weight_sync, split_training, waiting, dcp_reshard,
+                                                 fsdp_start_and_chunked_head)}
 
 
 def run_scenario(scenarios: dict) -> None:
