@@ -87,6 +87,38 @@ def test_two_node_resizes_move_training_state_over_the_network_exactly(static_ru
     assert "gres/gpu=4" in tres, f"the job's 4 GPUs are not accounted: {tres!r}"
 
 
+def test_fully_sharded_training_across_nodes_ships_its_files(static_run, tmp_path):
+    """trainer.sharding=full on 2 nodes: a resize whose train block spans both nodes sends the
+    saved shard files to the node that reads them (a reshard of files, switchplan.file_routes);
+    the run trains what the one-node ZeRO-1 run trains (FSDP2's tolerance)."""
+    from test_fsdp_trainer import FULL, assert_same_rl as assert_same_rl_full
+    run = tmp_path / "slurm"
+    run_cli(run, *TWO_NODES, FULL, "policy=scripted", "policy.schedule=[1,3,2,1]", "run.iterations=8", timeout=300)
+    ev = timeline(run)[0]["events"]
+    reshards = ev[ev["name"] == b"reshard"]
+    # 1 -> 3 train ranks: node2's rank 2 receives writer 0's file; 3 -> 2: each node gets the other's
+    for it, receivers in ((1, {2}), (2, {0, 2})):
+        moved = reshards[(reshards["iteration"] == it) & (reshards["bytes"] > 0)]
+        assert receivers <= set(moved["rank"].tolist()), (it, moved)
+    assert set(reshards["iteration"].tolist()) == {1, 2}
+    assert_same_rl_full(run, static_run[0])
+
+
+def test_a_fully_sharded_run_on_two_nodes_resumes_on_one(tmp_path):
+    """What a user does after losing a node: the run (trainer.sharding=full, 2 nodes) is submitted
+    again on the node left, and its sharded checkpoint resumes on 2 ranks instead of 4."""
+    from test_fsdp_trainer import FULL
+    run = tmp_path / "slurm"
+    run_cli(run, *TWO_NODES, FULL, "policy.train_ranks=1", "run.iterations=2", timeout=300)
+    run_cli(run, "cluster=slurm", "cluster.nodes=1", "cluster.gpus_per_node=2", "cluster.local_scratch=/var/tmp",
+            FULL, "policy.train_ranks=1", "run.iterations=4", timeout=300)
+    attrs, its, _, _ = attrs_and_iterations(run)
+    assert bool(attrs["complete"]) and {0, 1, 2, 3} <= set(its.tolist())
+    rows = timeline(run)[0]["iterations"]
+    assert {int(r["rollout_ranks"]) for r in rows if r["iteration"] in (0, 1)} == {3}      # 1T/3R on 2 nodes
+    assert {int(r["rollout_ranks"]) for r in rows if r["iteration"] == 3} == {1}           # 1T/1R on 1 node
+
+
 def test_hydra_multirun_on_slurm_makes_one_job_per_point(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "dynaresize.launch.cli", "-m", "hydra/launcher=submitit_slurm",

@@ -139,3 +139,27 @@ def test_format_plan_names_every_operation():
     assert "1T/3R -> v1 3T/1R (file transport)" in text
     for name in ("commit", "group_switch", "release", "stage_out", "weight_load", "stage_in"):
         assert name in text
+
+
+def test_full_sharding_across_nodes_sends_each_saved_file_to_the_nodes_that_read_it():
+    # 2 -> 5 train ranks on nodes of 3: the save's 2 files (node a) go to node b, one to each of its
+    # ranks in the block in turn; 5 -> 2: node a gets the 2 files written on b (ranks 3, 4), received
+    # by ranks 0 and 1 in turn, and node b gets the 3 written on a, received by 3, 4, 3
+    hosts = ["a"] * 3 + ["b"] * 3
+    assert switchplan.file_routes(2, 5, hosts) == [(0, 3), (1, 4)]
+    assert switchplan.file_routes(5, 5, hosts) == [(3, 0), (4, 1), (0, 3), (1, 4), (2, 3)]
+    assert switchplan.file_routes(3, 3, hosts) == []                      # one node: nothing crosses
+    old = RoleTable.split(6, 2)
+    p = switchplan.plan(old, old.with_split(5), parked=frozenset(), transport="network", numel=NUMEL,
+                        release_mode="sleep", sharding="full", hosts=hosts)
+    assert ops(p) == [("commit", tuple(range(6)), True), ("group_switch", tuple(range(6)), True),
+                      ("release", (2, 3, 4), True),
+                      ("stage_out", (0, 1), True),                       # the old group saves (DCP)
+                      ("reshard", tuple(range(5)), True),                # its files cross to node b
+                      ("stage_in", tuple(range(5)), True)]               # the new group loads, resharded
+    file_bytes = 12 * 500
+    assert p.ops[4].nbytes == (file_bytes,) * 2 + (0,) + (file_bytes,) * 2
+    assert p.ops[4].price == {"nbytes": file_bytes, "ranks": 5, "messages": 1}
+    with pytest.raises(ValueError, match="nodes of ranks"):
+        switchplan.plan(old, old.with_split(5), parked=frozenset(), transport="network", numel=NUMEL,
+                        release_mode="sleep", sharding="full")

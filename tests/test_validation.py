@@ -104,8 +104,6 @@ CASES = {
     # what the fully sharded trainer does not do yet
     "full_stealing": (["trainer.sharding=full", "trainer.work_stealing=true"], "trainer.work_stealing",
                       ["trainer.sharding=optimizer"]),
-    "full_network": (["trainer.sharding=full", "staging.transport=network"], "trainer.sharding",
-                     ["node-local files", "multi-node"]),
     "full_colocated": (["trainer.sharding=full", "policy=colocated", "run.max_lag=0"], "trainer.sharding",
                        ["policy=colocated"]),
 }

@@ -38,7 +38,7 @@ def switch_plans(path: str | os.PathLike) -> dict[int, switchplan.SwitchPlan]:
                 old, new, parked=parked, numel=numel,
                 transport=switchplan.transport(staging.get("transport", "auto"), hosts, max(old.num_train, k)),
                 release_mode=rollout.get("release", "sleep"), staging_critical=bool(staging.get("critical", False)),
-                sharding=(config.get("trainer") or {}).get("sharding", "optimizer"))
+                sharding=(config.get("trainer") or {}).get("sharding", "optimizer"), hosts=hosts)
             parked = plans[it].parked_after
         previous = (k, version)
     return plans

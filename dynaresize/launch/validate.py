@@ -238,10 +238,6 @@ def validate(cfg: JobConfig) -> None:
         need(not t.work_stealing, "trainer.work_stealing", "is true with trainer.sharding=full: a helper's "
              "gradient sums are sent as ranges of the ZeRO-1 flat vector", "use trainer.sharding=optimizer, or "
              "drop trainer.work_stealing")
-        need(s.transport != "network" and c.nodes == 1, "trainer.sharding",
-             f"is full on {c.nodes} node(s) with staging.transport={s.transport}: the fully sharded trainer "
-             "reshards through node-local files only (one node); across nodes that is not built yet",
-             "use trainer.sharding=optimizer for multi-node runs, or one node with staging.transport=auto or file")
     need(t.logit_chunk_tokens >= 0, "trainer.logit_chunk_tokens", f"is {t.logit_chunk_tokens}",
          "use 0 (all logits at once) or a number of tokens, e.g. 2048")
 

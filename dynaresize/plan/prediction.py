@@ -405,7 +405,8 @@ class IterationModel:
             plan = switchplan.plan(old, old.with_split(k2), parked=frozenset(range(parked_from, k)),
                                    transport=switchplan.transport(self.transport, self.hosts, max(k, k2)),
                                    numel=self.cm.numel, release_mode=self.release_mode,
-                                   staging_critical=self.staging_critical, sharding=self.sharding)
+                                   staging_critical=self.staging_critical, sharding=self.sharding,
+                                   hosts=self.hosts)
             self._switches[key] = switchplan.critical_time(plan, self.cm.switch_op_time)
         return self._switches[key]
 

@@ -15,9 +15,12 @@ both prefixes of the ranks), in this order:
   new owners              stage_in of their new range .... (background until the optimizer step)
 
 The fully sharded trainer (`trainer.sharding=full`, FSDP2) binds its model to the train group,
-so on one node its switch is: the old train group saves its shards together (DCP), a rank leaving
-training wakes its engine and reads the full weights from those files, and the new train group
-loads its shards, resharded, before its first forward; all on the critical path.
+so its switch is: the old train group saves its shards together (DCP), a rank leaving training
+wakes its engine and reads the full weights from those files, and the new train group loads its
+shards, resharded, before its first forward; all on the critical path. Across nodes the saved
+files first go to the nodes that read them (a reshard of files, `file_routes`): each node of the
+train block gets every file written on another node, from its writer, received by one of its
+ranks in turn.
 
 Across nodes (`staging.transport`: network, or auto when the train block [0, max(k, k')) spans
 nodes) a reshard over the data plane replaces stage_out and stage_in: every part of a new owner's
@@ -87,10 +90,12 @@ def shard_bytes(numel: int, shards: int) -> int:
 
 
 def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: str, numel: int,
-         release_mode: str, staging_critical: bool = False, sharding: str = "optimizer") -> SwitchPlan:
+         release_mode: str, staging_critical: bool = False, sharding: str = "optimizer",
+         hosts: Sequence[str] = ()) -> SwitchPlan:
     """The operations that move `old` to `new` (see the module docstring). `parked`: ranks that
     hold a released engine (they left rollout earlier); `numel`: parameters of the priced model;
-    `sharding`: trainer.sharding (full: the file transport's FSDP2 reshard)."""
+    `sharding`: trainer.sharding (full: FSDP2's reshard through files); `hosts`: each rank's node
+    (where full sharding's files cross nodes)."""
     world, k, k2 = old.world, old.num_train, new.num_train
     K = max(k, k2)
     everyone = tuple(range(world))
@@ -101,16 +106,21 @@ def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: s
            Op("group_switch", everyone, True)]
     if joining:
         ops.append(Op("release", joining, True, price={"release_mode": release_mode}))
-    # the fully sharded trainer (FSDP2) binds its model to its group: on one node the old group saves
-    # its shards together and the new one loads them before its first forward, all critical
-    fsdp_files = sharding == "full" and transport != "network"
-    if transport == "network":
+    # the fully sharded trainer (FSDP2) binds its model to its group: the old group saves its shards
+    # together (across nodes the files then go where they are read) and the new one loads them
+    # before its first forward, all critical
+    fsdp_files = sharding == "full"
+    if fsdp_files:
+        out = shard_bytes(numel, k)
+        ops.append(Op("stage_out", tuple(range(k)), True, (out,) * k, collective=True, price={"nbytes": out}))
+        if transport == "network":
+            moved, messages = file_routes_load(k, K, tuple(hosts), out)
+            ops.append(Op("reshard", tuple(range(K)), True, moved, collective=True,
+                          price={"nbytes": max(moved), "ranks": K, "messages": messages}))
+    elif transport == "network":
         moved, messages = reshard_load(numel, k, k2)
         ops.append(Op("reshard", tuple(range(K)), True, moved, collective=True,
                       price={"nbytes": max(moved), "ranks": K, "messages": messages}))
-    elif fsdp_files:
-        out = shard_bytes(numel, k)
-        ops.append(Op("stage_out", tuple(range(k)), True, (out,) * k, collective=True, price={"nbytes": out}))
     else:
         out = shard_bytes(numel, k)
         if staying:
@@ -125,7 +135,7 @@ def plan(old: RoleTable, new: RoleTable, *, parked: frozenset[int], transport: s
         new_train = tuple(range(k2))
         ops.append(Op("weight_load", new_train, True, (weights,) * k2, collective=True,
                       price={"nbytes": weights, "ranks": k2}))
-    if transport != "network":           # new owners read their ranges (background; FSDP2: all of it, now)
+    if transport != "network" or fsdp_files:    # new owners read their ranges (background; FSDP2: all, now)
         into = shard_bytes(numel, k2)
         ops.append(Op("stage_in", tuple(range(k2)), staging_critical or fsdp_files, (into,) * k2,
                       collective=fsdp_files, price={"nbytes": into}))
@@ -197,6 +207,37 @@ def reshard_transfers(numel: int, k: int, k2: int) -> list[tuple[int, int, int, 
             if a < b and q != r:
                 moves.append((q, r, a, b))
     return moves
+
+
+def file_routes(k: int, block: int, hosts: Sequence[str]) -> list[tuple[int, int]]:
+    """Full sharding across nodes: the files of the old train group's save (one per writer, old
+    train rank 0..k-1, written on its node; DCP's metadata with writer 0's) that go to another
+    node, as (writer, receiving rank): every node of the train block [0, block) gets each file
+    written elsewhere, received by its ranks in turn (the node's ranks share its staging folder,
+    and each new owner and each rank leaving training reads there)."""
+    if len(hosts) < block:
+        raise ValueError(f"the nodes of ranks 0..{block - 1} are needed to route files across nodes")
+    nodes: dict[str, list[int]] = {}
+    for r in range(block):
+        nodes.setdefault(hosts[r], []).append(r)
+    routes = []
+    for node, ranks in nodes.items():
+        elsewhere = [w for w in range(k) if hosts[w] != node]
+        routes += [(w, ranks[i % len(ranks)]) for i, w in enumerate(elsewhere)]
+    return routes
+
+
+@functools.lru_cache(maxsize=4096)
+def file_routes_load(k: int, block: int, hosts: tuple[str, ...], file_bytes: int) -> tuple[tuple[int, ...], int]:
+    """As reshard_load, for file_routes: the bytes each rank of the block sends or receives (each
+    file `file_bytes`), whichever is more, and the most routes one rank takes part in."""
+    sent, received, messages = [0] * block, [0] * block, [0] * block
+    for w, r in file_routes(k, block, hosts):
+        sent[w] += file_bytes
+        received[r] += file_bytes
+        messages[w] += 1
+        messages[r] += 1
+    return tuple(max(s, v) for s, v in zip(sent, received)), max(messages, default=0)
 
 
 @functools.lru_cache(maxsize=4096)          # the dynamic policy prices the same switches again and again

@@ -6,8 +6,9 @@ and AdamW state are each rank's 1/k, computed in the model's dtype with float32 
 and gradients reduced in `trainer.grad_reduce_dtype` (`MixedPrecisionPolicy`).
 
 FSDP2 binds a model to its mesh, so a trainer belongs to one train group: a resize saves the old
-group's state through torch.distributed.checkpoint into the node-local staging folder (dcp_h5.py)
-and the new group's trainers load it, DCP computing which saved bytes fill each new shard. The same
+group's state through torch.distributed.checkpoint into the node-local staging folder (dcp_h5.py;
+across nodes the files are then copied to the nodes that read them, resize.ship_files) and the
+new group's trainers load it, DCP computing which saved bytes fill each new shard. The same
 format is the checkpoint's, so a run resumes on any number of train ranks. The rollout engines get
 the weights in buckets of `trainer.weight_sync_bucket_mb`, gathered one bucket at a time
 (`gathered_buckets`): no train rank holds a second full copy of the model.

@@ -28,7 +28,8 @@ from ..plan import switchplan
 from ..plan.policy import Decision
 from ..plan.roles import RoleTable
 from .fsdp import load_full_weights
-from .staging import STATE_FIELDS, read_shard, shard_path, write_shard
+from .dcp_h5 import METADATA
+from .staging import STATE_FIELDS, make_private_dir, read_shard, shard_path, write_shard
 from ..plan.switchplan import shard_range
 from ..timeline.schema import BACKGROUND, CRITICAL
 from .types import ShardState
@@ -175,7 +176,7 @@ def switch(job, it: int, decision: Decision, registry=None, staging=None) -> Ran
                                                         max(old.num_train, new.num_train)),
                          numel=job.priced_numel,
                          release_mode=job.cfg.rollout.release, staging_critical=staging.critical,
-                         sharding=job.cfg.trainer.sharding)
+                         sharding=job.cfg.trainer.sharding, hosts=job.ctrl.hostnames)
     run = SwitchRun(job, OpTimer(job, it, old, new), sp, registry, staging)
     for op in sp.for_rank(job.rank):
         getattr(run, op.name)(op)
@@ -199,6 +200,7 @@ class SwitchRun:
         self.folder = os.path.join(job.staging_dir, f"train-v{sp.new.version}")
         self.shard = self.state.trainer.export_shard() if self.was_train and not self.sharded else None
         self.new_shard = None            # this rank's new range, when resharded over the network
+        self.save_seen = False           # sharded: this rank joining training passed the savers' barrier
         self.pending = None              # ... or being staged in
 
     def commit(self, op) -> None:        # every rank acknowledges v' before anyone acts
@@ -218,9 +220,17 @@ class SwitchRun:
             state.engine.release()       # parked: sleep mode keeps it for a cheap return
             state.parked_engine, state.engine = state.engine, None
 
-    def reshard(self, op) -> None:       # across nodes: ranges move over the data plane
+    def reshard(self, op) -> None:       # across nodes: ranges (FSDP2: saved files) move over the data plane
         job = self.job
+        block = train_block(self.registry, max(self.k, self.k2), job.world)
         with self.timer.op(op.name, price=op.price) as ev:
+            if self.sharded:
+                if not self.was_train:   # the save is complete once the block agrees (the savers' barrier)
+                    dist.barrier(group=block)
+                    self.save_seen = True
+                routes = switchplan.file_routes(self.k, max(self.k, self.k2), job.ctrl.hostnames)
+                ev["bytes"] = ship_files(job, block, self.folder, routes, self.staging.buffer_mb)
+                return
             self.new_shard = reshard_over_network(job, self.registry, self.shard, self.k, self.k2,
                                                   job.layout.numel)
             ev["bytes"] = switchplan.reshard_load(job.layout.numel, self.k, self.k2)[0][self.r]
@@ -301,7 +311,7 @@ class SwitchRun:
         (DCP computes which saved rows fill them)."""
         job = self.job
         with self.timer.op(op.name, price=op.price) as ev:
-            if not self.was_train:       # joining: the save is complete once the block agrees
+            if not self.was_train and not self.save_seen:    # joining: the save is complete once the block agrees
                 dist.barrier(group=train_block(self.registry, max(self.k, self.k2), job.world))
             trainer = job.new_sharded_trainer(self.registry.get("train", self.k2), self.sp.new.train_ranks(),
                                               empty=True)
@@ -363,6 +373,93 @@ def reshard_over_network(job, registry, shard: ShardState | None, k: int, k2: in
     if r >= k2:
         return None
     return ShardState(lo, hi, parts["params"], parts["exp_avg"], parts["exp_avg_sq"], step)
+
+
+def ship_files(job, group, folder: str, routes: list[tuple[int, int]], chunk_mb: int) -> int:
+    """Full sharding across nodes: each route's files (switchplan.file_routes: its writer's
+    `shard-W.h5`, with writer 0's DCP's metadata) from the writer to the receiving rank over the
+    data plane, all routes at once, in rounds of one chunk of `chunk_mb` per route; the receiver
+    writes them into its node's `folder` (private) under temporary names, renamed when complete,
+    the metadata last. Ends with a barrier of `group`; returns the bytes this rank sent and
+    received. A writer's file and DCP's checksums travel as they are: the load checks them."""
+    r, device, chunk = job.rank, job.device, max(chunk_mb, 1) << 20
+
+    def names(w: int) -> list[str]:
+        return [f"shard-{w:05d}.h5"] + ([METADATA] if w == 0 else [])
+
+    def exchange(ops) -> None:
+        if ops:
+            for request in [op(tensor, peer, group) for op, tensor, peer in ops]:
+                request.wait()
+
+    sends = [d for w, d in routes if w == r]
+    recvs = [w for w, d in routes if d == r]
+    if recvs:
+        make_private_dir(folder)
+    sizes = {w: torch.zeros(len(names(w)), dtype=torch.int64, device=device) for w in recvs}
+    mine = torch.tensor([os.path.getsize(os.path.join(folder, n)) for n in names(r)] if sends else [],
+                        dtype=torch.int64, device=device)
+    exchange([(dist.isend, mine, d) for d in sends] + [(dist.irecv, sizes[w], w) for w in recvs])
+    total_out = int(mine.sum()) if sends else 0
+    outgoing = _read_chunks([os.path.join(folder, n) for n in names(r)] if sends else [], chunk)
+    incoming = {w: _Files(folder, names(w), sizes[w].tolist()) for w in recvs}
+    rounds = max([-(-total_out // chunk)] + [-(-incoming[w].total // chunk) for w in recvs])
+    for c in range(rounds):
+        ops, buffers = [], {}
+        if c * chunk < total_out:
+            piece = torch.frombuffer(bytearray(next(outgoing)), dtype=torch.uint8).to(device)
+            ops += [(dist.isend, piece, d) for d in sends]
+        for w in recvs:
+            left = incoming[w].total - c * chunk
+            if left > 0:
+                buffers[w] = torch.empty(min(left, chunk), dtype=torch.uint8, device=device)
+                ops.append((dist.irecv, buffers[w], w))
+        exchange(ops)
+        for w, buf in buffers.items():
+            incoming[w].write(buf.cpu().numpy().tobytes())
+    for w in sorted(recvs, reverse=True):        # writer 0's last: its metadata makes the folder loadable
+        incoming[w].publish()
+    dist.barrier(group=group)
+    return total_out * len(sends) + sum(files.total for files in incoming.values())
+
+
+def _read_chunks(paths: list[str], chunk: int):
+    """The bytes of the files `paths`, one after the other, in pieces of `chunk` (the last shorter)."""
+    piece = b""
+    for path in paths:
+        with open(path, "rb") as f:
+            while data := f.read(chunk - len(piece)):
+                piece += data
+                if len(piece) == chunk:
+                    yield piece
+                    piece = b""
+    if piece:
+        yield piece
+
+
+class _Files:
+    """Files `names` of `sizes` bytes in `folder`, received as one stream: written under temporary
+    names (mode 0600) as the bytes come, renamed into place by publish()."""
+
+    def __init__(self, folder: str, names: list[str], sizes: list[int]):
+        self.paths, self.sizes, self.total = [os.path.join(folder, n) for n in names], sizes, sum(sizes)
+        self.tmps = [f"{p}.tmp-{os.getpid()}" for p in self.paths]
+        self.index, self.written = 0, 0
+        for tmp in self.tmps:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+
+    def write(self, data: bytes) -> None:
+        while data:
+            room = self.sizes[self.index] - self.written
+            with open(self.tmps[self.index], "ab") as f:
+                f.write(data[:room])
+            data, self.written = data[room:], self.written + min(room, len(data))
+            if self.written == self.sizes[self.index] and self.index + 1 < len(self.sizes):
+                self.index, self.written = self.index + 1, 0
+
+    def publish(self) -> None:
+        for tmp, path in zip(self.tmps, self.paths):     # the metadata, listed last, last
+            os.replace(tmp, path)
 
 
 def train_block(registry, ranks: int, world: int):

@@ -389,7 +389,8 @@ class Simulator:
         sp = switchplan.plan(old, old.with_split(k2), parked=frozenset(np.flatnonzero(self.parked).tolist()),
                              transport=switchplan.transport(self.cfg.staging.transport, self.hosts, max(self.k, k2)),
                              numel=cm.numel, release_mode=self.release_mode,
-                             staging_critical=self.cfg.staging.critical, sharding=self.cfg.trainer.sharding)
+                             staging_critical=self.cfg.staging.critical, sharding=self.cfg.trainer.sharding,
+                             hosts=self.hosts)
         k = self.k
         self.k, self.version = k2, sp.new.version
         roles = self.roles()                          # ops are recorded with the new table's roles
