@@ -23,13 +23,14 @@ train block gets every file written on another node, from its writer, received b
 ranks in turn.
 
 Across nodes (`staging.transport`: network, or auto when the train block [0, max(k, k')) spans
-nodes) a reshard over the data plane replaces stage_out and stage_in: every part of a new owner's
-range that another rank holds comes in one point-to-point message from it (reshard_transfers), so
-a rank moves at most its old or its new range, never the whole state. Only what the next
-stage needs in order to start is critical; optimizer state is needed at the optimizer step, after
-the forward and backward passes, so staging overlaps them (staging.critical=true, a benchmark
-baseline, puts it on the critical path). The commit comes first: every rank acknowledges the new
-table version before any rank acts on it; the groups come next because a reshard uses them.
+nodes) the ZeRO-1 trainer's reshard over the data plane replaces stage_out and stage_in: every
+part of a new owner's range that another rank holds comes in one point-to-point message from it
+(reshard_transfers), so a rank moves at most its old or its new range, never the whole state.
+Only what the next stage needs in order to start is critical; optimizer state is needed at the
+optimizer step, after the forward and backward passes, so staging overlaps them
+(staging.critical=true, a benchmark baseline, puts it on the critical path). The commit comes
+first: every rank acknowledges the new table version before any rank acts on it; the groups come
+next because a reshard uses them.
 """
 from __future__ import annotations
 
