@@ -11,21 +11,22 @@ import numpy as np
 def stable_argsort(keys) -> np.ndarray:
     """np.argsort(keys, kind="stable"): ascending, ties by index."""
     keys = np.asarray(keys)
-    if not _whole_below_2_32(keys):
-        return np.argsort(keys, kind="stable")
-    if keys.max() < 2**16:
-        return np.argsort(keys.astype(np.uint16), kind="stable")
-    k = keys.astype(np.uint32)
-    by_low = np.argsort((k & 0xFFFF).astype(np.uint16), kind="stable")
-    return by_low[np.argsort((k >> 16).astype(np.uint16)[by_low], kind="stable")]
+    return _radix_argsort(keys) if _whole_below_2_32(keys) else np.argsort(keys, kind="stable")
 
 
 def stable_argsort_descending(keys) -> np.ndarray:
     """The indices, the largest key first, ties by index (np.argsort(-keys, kind="stable"))."""
     keys = np.asarray(keys)
-    if not _whole_below_2_32(keys):
-        return np.argsort(-keys, kind="stable")
-    return stable_argsort(keys.max() - keys)
+    return _radix_argsort(keys.max() - keys) if _whole_below_2_32(keys) else np.argsort(-keys, kind="stable")
+
+
+def _radix_argsort(keys: np.ndarray) -> np.ndarray:
+    """The stable argsort of whole numbers in [0, 2**32): one or two 16-bit radix passes."""
+    if keys.max() < 2**16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    k = keys.astype(np.uint32)
+    by_low = np.argsort((k & 0xFFFF).astype(np.uint16), kind="stable")
+    return by_low[np.argsort((k >> 16).astype(np.uint16)[by_low], kind="stable")]
 
 
 def _whole_below_2_32(keys: np.ndarray) -> bool:
