@@ -17,12 +17,16 @@ def _env() -> dict[str, str]:
 
 
 def run_cli(run_dir, *overrides, timeout=240, check=True, entry="dynaresize.launch.cli",
-            pin_policy=True, env=None) -> subprocess.CompletedProcess:
+            pin_policy=True, report=False, env=None) -> subprocess.CompletedProcess:
     """`dynaresize <overrides>` with its Hydra run directory at `run_dir`. Unless the overrides
     choose a policy (or pin_policy=False), the run is static: the default policy (dynamic) moves
-    ranks on measured stage times, so its splits would depend on how busy the machine is."""
+    ranks on measured stage times, so its splits would depend on how busy the machine is. The
+    report (run.report) is drawn only where a test asks for it (report=True): matplotlib's import
+    and the figures cost rank 0 about 2.5 s of CPU at the end of every run (measured)."""
     if pin_policy and not any(o.startswith("policy=") for o in overrides):
         overrides = ("policy=static", *overrides)
+    if not report and not any(o.startswith("run.report=") for o in overrides):
+        overrides = (*overrides, "run.report=false")
     cmd = [sys.executable, "-m", entry, f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})},
                           cwd=ROOT)
@@ -47,7 +51,7 @@ def run_ranks(n: int, scenario: str, *args, timeout=240, check=True) -> subproce
 def default_run(tmp_path_factory):
     """The README's `dynaresize` with no arguments (dynamic policy, 4 ranks, 12 iterations)."""
     run_dir = tmp_path_factory.mktemp("default_run")
-    proc = run_cli(run_dir, pin_policy=False)
+    proc = run_cli(run_dir, pin_policy=False, report=True)
     return run_dir, proc
 
 
@@ -55,7 +59,7 @@ def default_run(tmp_path_factory):
 def static_run(tmp_path_factory):
     """A static 2T/2R run of 8 iterations: the reference other tests compare with."""
     run_dir = tmp_path_factory.mktemp("static_run")
-    proc = run_cli(run_dir, "policy.train_ranks=2", "run.iterations=8")
+    proc = run_cli(run_dir, "policy.train_ranks=2", "run.iterations=8", report=True)
     return run_dir, proc
 
 

