@@ -266,7 +266,7 @@ def _draw_iterations(ax, tl: Timeline, n_rows: int) -> None:
     top.set_xticks(((shown["start"] + shown["end"]) / 2).to_numpy(),
                    [str(i) for i in shown["iteration"]], fontsize=7)
     top.tick_params(length=0)
-    top.set_xlabel("iteration" + (f" (boundaries of every {step}th drawn)" if step > 1 else ""),
+    top.set_xlabel("iteration" + (f" (boundaries of one in {step} drawn)" if step > 1 else ""),
                    fontsize=8)
 
 

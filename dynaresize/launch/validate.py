@@ -287,7 +287,7 @@ def validate(cfg: JobConfig) -> None:
         total = run.iterations + run.max_lag
         need(len(p.schedule) <= total, "policy.schedule",
              f"has {len(p.schedule)} entries but the run has only {total} steps (run.iterations and, with "
-             f"run.max_lag=1, the pipeline's drain): the splits after the {total}th would never be used",
+             f"run.max_lag=1, the pipeline's drain): the splits past entry {total} would never be used",
              f"list at most {total} splits, or raise run.iterations")
     else:
         need(not p.schedule, "policy.schedule",
