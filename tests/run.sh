@@ -21,50 +21,16 @@ export PATH="$PWD/.venv/bin:$PATH"
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d -t dynaresize-site.XXXXXX)"
 
 # A real two-node Slurm cluster with accounting for tests/test_slurm.py (root: daemons, namespaces).
-slurm_dir="" side=""
-cleanup() {      # on any exit: the second pytest (below) and the Slurm test cluster stopped
-    if [ -n "$side" ]; then kill "$side" 2>/dev/null || true; fi
-    if [ -n "$slurm_dir" ]; then bash slurm/testcluster/stop.sh "$slurm_dir" >/dev/null 2>&1 || true; fi
-}
-trap cleanup EXIT
+slurm_dir=""
 if [ "$(id -u)" -eq 0 ] && [ "${DYNARESIZE_SKIP_SLURM:-0}" != 1 ]; then
     bash slurm/testcluster/install.sh
     slurm_dir=$(mktemp -d -t dynaresize-slurm.XXXXXX)
     env_file=$(bash slurm/testcluster/start.sh "$slurm_dir" | tail -n 1)
+    trap 'bash slurm/testcluster/stop.sh "$slurm_dir" >/dev/null 2>&1 || true' EXIT
     # shellcheck disable=SC1090
     . "$env_file"
 else
     echo "tests/run.sh: not root (or DYNARESIZE_SKIP_SLURM=1): the Slurm tests will be skipped" >&2
 fi
 
-if [ $# -gt 0 ]; then      # the tests asked for, in one pytest (then `cleanup` stops Slurm)
-    .venv/bin/python -m pytest -q --timeout=900 --durations=25 "$@"
-    exit
-fi
-# Everything, in two pytests side by side, then the emulation check alone. The suite alone kept
-# 1.2 of the 2 cores busy (its CPU time over its wall time, measured with every process
-# accounted). The files that wait most run beside the others: Slurm's own timeouts, the watchdogs'
-# and the fault tests' waits, the migration, stealing, speculation and validation tests' short
-# jobs and launcher-only runs. The emulation check times real stages against their prices: beside
-# another pytest its runs overran them by 20-40 % (measured), so it runs on its own.
-side_files=(tests/test_slurm.py tests/test_supervision.py tests/test_faults.py tests/test_migration.py
-            tests/test_stealing.py tests/test_speculation.py tests/test_validation.py)
-alone=tests/test_emulation.py
-side_log=$(mktemp -t dynaresize-side.XXXXXX)
-.venv/bin/python -m pytest -q --timeout=900 --durations=10 "${side_files[@]}" >"$side_log" 2>&1 &
-side=$!
-status=0
-.venv/bin/python -m pytest -q --timeout=900 --durations=25 "${side_files[@]/#/--ignore=}" --ignore="$alone" \
-    || status=$?
-side_status=0
-wait "$side" || side_status=$?
-side=""
-echo "tests/run.sh: beside them, ${side_files[*]}:"
-cat "$side_log"
-rm -f "$side_log"
-echo "tests/run.sh: then, alone, $alone:"
-alone_status=0
-.venv/bin/python -m pytest -q --timeout=900 "$alone" || alone_status=$?
-for code in "$status" "$side_status" "$alone_status"; do
-    if [ "$code" -ne 0 ]; then exit "$code"; fi
-done
+.venv/bin/python -m pytest -q --timeout=900 --durations=25 "$@"
