@@ -33,8 +33,8 @@ setup(
         "tensorboard": ["tensorboard>=2.14"],   # logger=[console,tensorboard]
         "wandb": ["wandb>=0.16"],               # logger=[console,wandb] (offline on compute nodes)
         "parquet": ["pyarrow>=14"],             # data.train_files in Parquet
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "tensorboard>=2.14", "wandb>=0.16", "pyarrow>=14",
-                 "import-linter>=2.1"],                                # lint-imports: the layers
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "tensorboard>=2.14", "wandb>=0.16",
+                 "pyarrow>=14", "import-linter>=2.1"],                                # lint-imports: the layers
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5"],          # mkdocs build --strict / mkdocs serve
     },
     entry_points={

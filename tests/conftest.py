@@ -1,7 +1,10 @@
 """Shared helpers: run the real CLI, and run scenario scripts on real MPI ranks."""
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -9,6 +12,16 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = os.path.join(ROOT, "tests", "mpi", "scenarios.py")
+
+
+# The longest files first (measured: docs/reference/tests.md): tests/run.sh's two workers take a
+# file at a time in this order, and end together instead of one running the Slurm tests alone.
+LONGEST_FIRST = ("test_slurm.py", "test_dataset.py", "test_resize.py", "test_core.py", "test_faults.py")
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))     # stable: the rest as collected
 
 
 def _env() -> dict[str, str]:
@@ -47,28 +60,42 @@ def run_ranks(n: int, scenario: str, *args, timeout=240, check=True) -> subproce
     return proc
 
 
+def _made_once(tmp_path_factory, name: str, make) -> tuple:
+    """`make(run_dir)`'s run, made once for the whole test session: with pytest-xdist (tests/run.sh
+    runs two workers) the first worker to ask makes it under a lock and the others read it from
+    disk. Returns (run_dir, the CompletedProcess of its CLI)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                   # the folder all workers' temporary folders share
+    run_dir, record = root / name, root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)       # what a worker that failed left
+            proc = make(run_dir)
+            record.write_text(json.dumps({"args": proc.args, "returncode": proc.returncode,
+                                          "stdout": proc.stdout, "stderr": proc.stderr}))
+    return run_dir, subprocess.CompletedProcess(**json.loads(record.read_text()))
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory):
     """The README's `dynaresize` with no arguments (dynamic policy, 4 ranks, 12 iterations)."""
-    run_dir = tmp_path_factory.mktemp("default_run")
-    proc = run_cli(run_dir, pin_policy=False, report=True)
-    return run_dir, proc
+    return _made_once(tmp_path_factory, "default_run", lambda d: run_cli(d, pin_policy=False, report=True))
 
 
 @pytest.fixture(scope="session")
 def static_run(tmp_path_factory):
     """A static 2T/2R run of 8 iterations: the reference other tests compare with."""
-    run_dir = tmp_path_factory.mktemp("static_run")
-    proc = run_cli(run_dir, "policy.train_ranks=2", "run.iterations=8", report=True)
-    return run_dir, proc
+    return _made_once(tmp_path_factory, "static_run",
+                      lambda d: run_cli(d, "policy.train_ranks=2", "run.iterations=8", report=True))
 
 
 @pytest.fixture(scope="session")
 def static_lag0_run(tmp_path_factory):
     """A static 2T/2R synchronous run (max_lag 0) of 8 iterations: the reference of lag-0 tests."""
-    run_dir = tmp_path_factory.mktemp("static_lag0_run")
-    run_cli(run_dir, "run.max_lag=0", "run.iterations=8")
-    return run_dir
+    return _made_once(tmp_path_factory, "static_lag0_run",
+                      lambda d: run_cli(d, "run.max_lag=0", "run.iterations=8"))[0]
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -15,8 +16,9 @@ def analyze(*args, timeout=180):
                           text=True, timeout=timeout, cwd=ROOT, env=_env())
 
 
-def test_report_of_a_real_run(static_run):
-    run_dir, _ = static_run
+def test_report_of_a_real_run(static_run, tmp_path):
+    run_dir = tmp_path / "run"                 # a copy: other tests read the shared run meanwhile
+    shutil.copytree(static_run[0], run_dir)
     proc = analyze(run_dir)
     assert proc.returncode == 0, proc.stderr
     report = run_dir / "report"

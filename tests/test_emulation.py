@@ -24,6 +24,8 @@ from dynaresize.sim import setup_from_overrides
 from dynaresize.sim import simulate as simulate_setup
 
 RANKS = int(os.environ.get("DYNARESIZE_EMULATION_RANKS", "4"))
+pytestmark = pytest.mark.alone              # its stages must get the CPU time they are priced at
+
 SIZE = [] if RANKS == 8 else [f"cluster.ranks={RANKS}", "rollout.prompts_per_batch=8", "run.iterations=4",
                                "hardware.time_scale=3"]
 WORKLOADS = {
