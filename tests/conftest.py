@@ -10,6 +10,12 @@ import sys
 
 import pytest
 
+# One thread for torch in the test processes, as the ranks have (launch.local.mpi_env): the suite
+# keeps the cores busy with its ranks and two pytest workers, and torch's threads waiting for each
+# other on a busy core cost CPU time instead of saving any (a statistical test of the torch engine:
+# 48 CPU-s with 2 threads, 27 with 1, measured alone).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = os.path.join(ROOT, "tests", "mpi", "scenarios.py")
 
