@@ -36,5 +36,5 @@ fi
 # Two workers (pytest-xdist), a file each at a time: the suite is bound by CPU (MPI ranks importing
 # torch) and one pytest keeps 1.2 of 2 cores busy. The tests marked alone compare real stage
 # times with their prices, so they run afterwards by themselves (exit 5: none among "$@").
-.venv/bin/python -m pytest -q --timeout=900 --durations=25 -n 3 --dist loadfile -m "not vllm and not alone" "$@"
+.venv/bin/python -m pytest -q --timeout=900 --durations=25 -n 2 --dist loadfile -m "not vllm and not alone" "$@"
 .venv/bin/python -m pytest -q --timeout=900 -m "alone and not vllm" "$@" || [ $? -eq 5 ]
