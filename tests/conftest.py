@@ -11,17 +11,19 @@ import sys
 import pytest
 
 # One thread for torch in the test processes, as the ranks have (launch.local.mpi_env): the suite
-# keeps the cores busy with its ranks and two pytest workers, and torch's threads waiting for each
-# other on a busy core cost CPU time instead of saving any (a statistical test of the torch engine:
-# 48 CPU-s with 2 threads, 27 with 1, measured alone).
+# keeps the cores busy with its ranks, and torch's threads waiting for each other on a busy core
+# cost CPU time instead of saving any (a statistical test of the torch engine: 48 CPU-s with 2
+# threads, 27 with 1, measured alone).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = os.path.join(ROOT, "tests", "mpi", "scenarios.py")
 
 
-# The longest files first (measured: docs/reference/tests.md): tests/run.sh's two workers take a
-# file at a time in this order, and end together instead of one running the Slurm tests alone.
+# The longest files first (alone, one pytest: test_slurm 7.7 minutes, test_dataset 3.6,
+# test_resize 3.4, test_core 2.9, test_faults 2.3): pytest-xdist's workers
+# (DYNARESIZE_TEST_WORKERS) take a file at a time in this order, and end together instead of one
+# running the Slurm tests alone at the end.
 LONGEST_FIRST = ("test_slurm.py", "test_dataset.py", "test_resize.py", "test_core.py", "test_faults.py")
 
 
@@ -67,9 +69,9 @@ def run_ranks(n: int, scenario: str, *args, timeout=240, check=True) -> subproce
 
 
 def _made_once(tmp_path_factory, name: str, make) -> tuple:
-    """`make(run_dir)`'s run, made once for the whole test session: with pytest-xdist (tests/run.sh
-    runs two workers) the first worker to ask makes it under a lock and the others read it from
-    disk. Returns (run_dir, the CompletedProcess of its CLI)."""
+    """`make(run_dir)`'s run, made once for the whole test session: with pytest-xdist
+    (DYNARESIZE_TEST_WORKERS) the first worker to ask makes it under a lock and the others read
+    it from disk. Returns (run_dir, the CompletedProcess of its CLI)."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent                   # the folder all workers' temporary folders share
