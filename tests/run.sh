@@ -36,8 +36,8 @@ fi
 # DYNARESIZE_TEST_WORKERS pytest workers (pytest-xdist, a file each at a time; default 1). Two
 # finished the main pytest in 27-31 minutes on 2 cores (one: 36-41 before the last cuts), but
 # starve the vLLM stage that .ci/run runs beside at the lowest priority (one of its tests passed
-# its 900 s timeout): docs/reference/tests.md. The tests marked alone compare real stage times with their
-# prices, so they run afterwards by themselves (exit 5: none among "$@").
+# its 900 s timeout): docs/reference/tests.md. The tests marked alone compare real stage times
+# with their prices, so they run afterwards by themselves (exit 5: none among "$@").
 workers=${DYNARESIZE_TEST_WORKERS:-1}
 parallel=()
 if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
