@@ -30,6 +30,8 @@ import pytest
 from conftest import ROOT, _env
 from processes import descendants, holds_open, rank_pid, state
 
+from dynaresize.runtime.status import status_path, write_status
+
 COMMON = ["policy=static", "run.report=false", "run.save_model=false"]
 # name: (rank killed, the status it is killed at, overrides[, its environment]). Ranks
 # [0, train_ranks) train, rank 0 sends the weights to the rollout ranks. By default a rank kills
@@ -66,9 +68,9 @@ def run_killed_rank(base, name: str) -> dict:
             proc.kill()
             code = proc.wait()
     ended = time.time()
-    status_file = run_dir / ".ranks" / f"rank-{rank:05d}"
+    status_file = status_path(str(run_dir), rank)
     return {"code": code, "ended": ended, "run_dir": run_dir,
-            "killed_at": status_file.stat().st_mtime if status_file.exists() else None,
+            "killed_at": os.stat(status_file).st_mtime if os.path.exists(status_file) else None,
             "stderr": (run_dir.parent / f"{name}.err").read_text()}
 
 
@@ -172,7 +174,6 @@ def test_killed_rank_is_named_with_its_operation(jobs, name):
 def test_status_file_is_never_read_empty(tmp_path):
     """The status writer (Job.set_status calls it: the kill tests above depend on that) rewrites
     the file thousands of times while another process reads it."""
-    from dynaresize.runtime.status import write_status
     path = tmp_path / ".ranks" / "rank-00003"
     stop = tmp_path / "stop"
     texts = ["train (iteration 7, batch 6, 2T/2R)", "weight_sync (iteration 7, 2T/2R, receiving)"]
@@ -305,7 +306,6 @@ def test_blame_goes_to_the_first_rank_to_end_not_to_the_peer_that_aborted(tmp_pa
     """What mpiexec printed when a rank killed in training lost the race to a peer's MPI_Abort
     (no 'exited on signal' line), with the order in which the launcher saw the ranks end."""
     from dynaresize.launch.failure import explain_failure
-    from dynaresize.runtime.status import status_path, write_status
     run_dir = str(tmp_path)
     doing = ["train (iteration 2, batch 1, 2T/2R)"] * 2 + ["rollout (iteration 2, batch 2, 2T/2R)"] * 2
     for rank, text in enumerate(doing):

@@ -4,6 +4,7 @@ stealing and resizes beside it."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import time
 
@@ -18,6 +19,7 @@ from dynaresize.config import ModelConfig, RolloutConfig, WorkloadConfig
 from dynaresize.plan.migration import TailRoster, tail_schedule
 from dynaresize.data.model import prepare_checkpoint
 from dynaresize.runtime.rollout.base import GroupRequest, make_engine, resume
+from dynaresize.runtime.status import status_path
 from dynaresize.data.workload import make_batch
 
 
@@ -112,7 +114,7 @@ def test_a_rank_killed_while_migrating_ends_the_job_naming_the_operation(tmp_pat
     assert "rank 2 died" in proc.stderr and "during migrate" in proc.stderr, proc.stderr[-3000:]
     # from the kill (its status, "migrate ...", is the rank's last write), not from the start:
     # start-up takes its share of a busy machine's CPU
-    killed_at = (run_dir / ".ranks" / "rank-00002").stat().st_mtime
+    killed_at = os.stat(status_path(str(run_dir), 2)).st_mtime
     assert ended - killed_at < 60, f"the job ended {ended - killed_at:.0f} s after the kill"
 
 
