@@ -228,9 +228,10 @@ def main(argv: list[str]) -> int:
     if "--write" in argv:
         for page, make in PAGES.items():
             path = os.path.join(ROOT, "docs", page)
+            text = make()                   # before opening the page: a failure leaves it as it was
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
-                f.write(make())
+                f.write(text)
             print(f"wrote docs/{page}")
         return 0
     if "--check" in argv:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -70,10 +71,13 @@ def run_ranks(n: int, scenario: str, *args, timeout=240, check=True) -> subproce
 
 def _made_once(tmp_path_factory, name: str, make) -> tuple:
     """`make(run_dir)`'s run, made once for the whole test session: with pytest-xdist
-    (DYNARESIZE_TEST_WORKERS) the first worker to ask makes it under a lock and the others read
-    it from disk. Returns (run_dir, the CompletedProcess of its CLI)."""
+    (DYNARESIZE_TEST_WORKERS), or several pytests sharing a folder (DYNARESIZE_TEST_SHARED:
+    tests/run.sh runs the Slurm tests beside the rest), the first to ask makes it under a lock
+    and the others read it from disk. Returns (run_dir, the CompletedProcess of its CLI)."""
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("DYNARESIZE_TEST_SHARED"):
+        root = pathlib.Path(os.environ["DYNARESIZE_TEST_SHARED"])
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent                   # the folder all workers' temporary folders share
     run_dir, record = root / name, root / f"{name}.json"
     with open(root / f"{name}.lock", "w") as lock:

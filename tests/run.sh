@@ -33,13 +33,42 @@ else
     echo "tests/run.sh: not root (or DYNARESIZE_SKIP_SLURM=1): the Slurm tests will be skipped" >&2
 fi
 
-# DYNARESIZE_TEST_WORKERS pytest workers (pytest-xdist, a file each at a time; default 1). Two
-# finished the main pytest in 27-31 minutes on 2 cores (one: 36-41 before the last cuts), but
-# starve the vLLM stage that .ci/run runs beside at the lowest priority (one of its tests passed
-# its 900 s timeout): docs/reference/tests.md. The tests marked alone compare real stage times
-# with their prices, so they run afterwards by themselves (exit 5: none among "$@").
+# The Slurm tests mostly wait (for slurmctld, a requeue, a node to return: about 1 CPU-second in
+# 4 of their wall time, measured), so they run in a pytest of their own beside the rest (exit 5:
+# none among "$@"). DYNARESIZE_TEST_SHARED: the session's reference runs (tests/conftest.py), made
+# once for both.
+export DYNARESIZE_TEST_SHARED
+DYNARESIZE_TEST_SHARED=$(mktemp -d -t dynaresize-tests.XXXXXX)
+slurm_pid=""
+rest="not vllm and not alone"          # without a cluster the Slurm tests are skipped there, saying why
+if [ -n "$slurm_dir" ]; then
+    slurm_log="$DYNARESIZE_TEST_SHARED/slurm-tests.log"
+    .venv/bin/python -m pytest -q --timeout=900 --durations=10 --basetemp="$DYNARESIZE_TEST_SHARED/slurm" \
+        -m "slurm and not vllm and not alone" "$@" >"$slurm_log" 2>&1 &
+    slurm_pid=$!
+    rest="not slurm and $rest"
+fi
+slurm_tests() {     # wait for the Slurm tests and print what they printed; their exit status
+    [ -n "$slurm_pid" ] || return 0
+    local status=0
+    wait "$slurm_pid" || status=$?
+    echo "tests/run.sh: the Slurm tests (beside the rest):"
+    cat "$slurm_log"
+    [ "$status" -eq 0 ] || [ "$status" -eq 5 ]
+}
+
+# DYNARESIZE_TEST_WORKERS pytest workers for the rest (pytest-xdist, a file each at a time; default
+# 1). Two finished the main pytest in 27-31 minutes on 2 cores (one: 36-41 before the last cuts),
+# but starve the vLLM stage that .ci/run runs beside at the lowest priority (one of its tests
+# passed its 900 s timeout): docs/reference/tests.md. The tests marked alone compare real stage
+# times with their prices, so they run afterwards by themselves (exit 5: none among "$@").
 workers=${DYNARESIZE_TEST_WORKERS:-1}
 parallel=()
 if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
-.venv/bin/python -m pytest -q --timeout=900 --durations=25 "${parallel[@]}" -m "not vllm and not alone" "$@"
+status=0
+.venv/bin/python -m pytest -q --timeout=900 --durations=25 "${parallel[@]}" -m "$rest" "$@" || status=$?
+if [ "$status" -eq 5 ]; then status=0; fi
+slurm_tests || status=1
+[ "$status" -eq 0 ] || exit "$status"
 .venv/bin/python -m pytest -q --timeout=900 -m "alone and not vllm" "$@" || [ $? -eq 5 ]
+rm -rf "$DYNARESIZE_TEST_SHARED"

@@ -49,32 +49,36 @@ def assert_same_rl(a_dir, b_dir) -> float:
 def full_static(tmp_path_factory):
     """A static run of 8 iterations with the fully sharded trainer, made as a user continues a
     run on a smaller allocation: 4 iterations on 4 ranks (2T/2R; a checkpoint after the last, in
-    DCP's format: `train/`), then `run.iterations=8 cluster.ranks=3` on the same directory, which
-    resumes from it on 3 ranks (2T/1R)."""
+    DCP's format: `train/`), then `run.iterations=8 cluster.ranks=3 policy.train_ranks=1` on the
+    same directory, which resumes from it on 3 ranks with a split of its own (1T/2R)."""
     run_dir = tmp_path_factory.mktemp("full_static")
     run_cli(run_dir, FULL, "policy.train_ranks=2", "run.iterations=4")
     saved = run_dir / "checkpoints" / "iter-000003" / "train"
     assert sorted(os.listdir(saved)) == [".metadata", "shard-00000.h5", "shard-00001.h5"]
-    proc = run_cli(run_dir, FULL, "policy.train_ranks=2", "run.iterations=8", "cluster.ranks=3")
-    assert "split 2T/1R on 3 ranks, the checkpoint's run had 4" in proc.stdout, proc.stdout
+    proc = run_cli(run_dir, FULL, "policy.train_ranks=1", "run.iterations=8", "cluster.ranks=3")
+    assert ("split 1T/2R on 3 ranks, the checkpoint's run had 4; other policy settings than the checkpoint's: "
+            "the policy starts anew") in proc.stdout, proc.stdout
     its = timeline(run_dir)[0]["iterations"]
-    assert list(its["rollout_ranks"]) == [2] * 4 + [1] * 5 and set(its["train_ranks"]) == {2}
+    assert list(its["rollout_ranks"]) == [2] * 9 and list(its["train_ranks"]) == [2] * 4 + [1] * 5
     return run_dir
 
 
 def test_fsdp2_trains_what_zero1_trains_and_resumes_on_fewer_ranks(full_static, static_run):
-    """Resumed halfway on 3 ranks instead of 4: the same samples and (within the tolerance) the
-    same weights as the ZeRO-1 trainer's run of 8 iterations on 4 ranks in one go."""
+    """Resumed halfway on 3 ranks instead of 4, with 1 train rank instead of 2: the same samples
+    and (within the tolerance) the same weights as the ZeRO-1 trainer's run of 8 iterations on 4
+    ranks in one go."""
     assert_same_rl(full_static, static_run[0])
 
 
 def test_only_the_sharded_trainer_resumes_on_another_rank_count(static_run, tmp_path):
-    """The ZeRO-1 trainer's checkpoint is for its own rank count: refused before anything starts."""
+    """The ZeRO-1 trainer's checkpoint is for its own rank count and split: another is refused
+    before anything starts."""
     import shutil
     run = tmp_path / "zero1"
     shutil.copytree(static_run[0], run)
-    proc = run_cli(run, "policy.train_ranks=2", "run.iterations=9", "cluster.ranks=3", check=False)
+    proc = run_cli(run, "policy.train_ranks=1", "run.iterations=9", "cluster.ranks=3", check=False)
     assert proc.returncode == 2 and "cluster.ranks: 4 in the checkpoint, 3 now" in proc.stderr, proc.stderr
+    assert "policy.train_ranks: 2 in the checkpoint, 1 now" in proc.stderr
     assert "trainer.sharding=full resumes on any number of ranks" in proc.stderr
 
 

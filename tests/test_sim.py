@@ -379,14 +379,18 @@ def test_a_stopped_suite_keeps_the_summary_of_its_finished_cells(tmp_path):
 
 
 def test_suite_writes_the_table_for_each_workload(tmp_path):
-    """`dynaresize-sim suite` at a small size: every row for every workload, the hindsight-best static
-    split as the reference, the oracle at least as fast as every static split (free switching,
-    exact prediction) and the bound above the oracle; CSV, Markdown and PNG per workload."""
+    """`dynaresize-sim suite --tail` at a small size: every row for every workload, the hindsight-best
+    static split as the reference, the oracle at least as fast as every static split (free
+    switching, exact prediction) and the bound above the oracle; the tail mechanisms' rows, a
+    mechanism the workload refuses (dapo's dynamic sampling and migration) left out by name;
+    CSV, Markdown and PNG per workload, and the results page."""
     import pandas as pd
+
+    from dynaresize import analysis
     out = tmp_path / "suite"
     cmd = [sys.executable, "-m", "dynaresize.sim.cli", "suite", "--ranks", "16", "--workloads", "stationary,dapo",
-           "--out", str(out), "--jobs", "2", "--keep", "all", "run.iterations=8", "sim.units=4",
-           "sim.prompts_per_rank=2"]
+           "--out", str(out), "--jobs", "2", "--keep", "all", "--tail", "--page", str(tmp_path / "page.md"),
+           "run.iterations=8", "sim.units=4", "sim.prompts_per_rank=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[suite] h100    16 ranks  stationary" in proc.stdout
@@ -395,30 +399,49 @@ def test_suite_writes_the_table_for_each_workload(tmp_path):
         assert {"table.csv", "table.md", "table.png"} <= {p.name for p in folder.iterdir()}
         df = pd.read_csv(folder / "table.csv").set_index("row")
         assert list(df.index) == ["static, hindsight-best", "static, pilot", "colocated", "dynamic",
-                                  "dynamic + stealing", "oracle, expected lengths", "oracle", "bound"]
+                                  "dynamic + stealing", "dynamic + speculation", "dynamic + migration",
+                                  "dynamic + tail", "static + tail", "oracle, expected lengths", "oracle", "bound",
+                                  "bound + speculation"]
         x = df["throughput_x"]
         assert x["static, hindsight-best"] == 1.0 and x["static, pilot"] <= 1.0
         assert x["oracle"] >= 1.0 - 1e-9 and x["bound"] > x["oracle"]
         assert x["oracle"] >= x["oracle, expected lengths"] - 1e-9
         assert df.loc["colocated", "critical_switch_s"] > 0 and 0 < df.loc["dynamic", "busy_share"] <= 1
         runs = sorted(p.name for p in (folder / "runs").iterdir())
+        migration = ["dynamic_migration"] if w == "stationary" else []
         assert runs == sorted(["static_01", "static_02", "static_03", "dynamic", "dynamic_stealing", "colocated",
-                               "oracle", "oracle_expected"])
-    summary = pd.read_csv(out / "summary.csv")
+                               "oracle", "oracle_expected", "tail_static_01", "tail_static_02", "tail_static_03",
+                               "dynamic_speculation", "dynamic_tail", *migration])
+        # the tail rows: static + tail is the best of its sweep; speculation shortens the longest sample
+        tail_static = [analysis.run_metrics(analysis.load_timeline(folder / "runs" / f"tail_static_0{u}"))["tokens_per_s"]
+                       for u in (1, 2, 3)]
+        assert df.loc["static + tail", "tokens_per_s"] == pytest.approx(max(tail_static), rel=1e-9)
+        assert x["dynamic + speculation"] > x["dynamic"] and x["bound + speculation"] > x["bound"]
+        assert (df.loc["dynamic + migration", "split"] == "not allowed") == (w == "dapo")
+        assert np.isnan(x["dynamic + migration"]) == (w == "dapo")
+    summary = pd.read_csv(out / "summary.csv").set_index("workload")
+    assert np.isnan(summary.loc["dapo", "dynamic + migration"]) and np.isnan(summary.loc["dapo", "gap_closed_migration"])
+    s = summary.loc["stationary"]
+    assert s["tail_vs_static_tail"] == pytest.approx(s["dynamic + tail"] / s["static + tail"], rel=1e-12)
+    assert s["gap_closed_tail"] == pytest.approx((s["dynamic + tail"] - s["dynamic"])
+                                                 / (s["bound + speculation"] - s["dynamic"]), rel=1e-12)
+    page = (tmp_path / "page.md").read_text()
+    assert "With the tail mechanisms" in page and "| `dapo` |" in page
+    summary = summary.reset_index()
     assert len(summary) == 2 and (summary["static, hindsight-best"] == 1.0).all()
     assert (summary["dynamic_vs_oracle"] == summary["dynamic"] / summary["oracle"]).all()
     assert (summary["dynamic_vs_expected"] == summary["dynamic"] / summary["oracle, expected lengths"]).all()
     assert (summary["turns"] >= 0).all() and (summary["resizes"] >= summary["turns"]).all()
     assert (summary["decide_s"] > 0).all() and ((summary["decide_share"] > 0) & (summary["decide_share"] < 1)).all()
     assert ((summary["prediction_error"] > 0) & (summary["prediction_error"] < 1)).all()
-    from dynaresize import analysis       # the dynamic run's own error, as `dynaresize-analyze` gives it
+    # the dynamic run's own error, as `dynaresize-analyze` gives it
     for w, error in zip(summary["workload"], summary["prediction_error"]):
         tl = analysis.load_timeline(out / "h100-16" / w / "runs" / "dynamic")
         assert error == pytest.approx(analysis.predictions(tl)["error"].abs().median(), rel=1e-12)
-    # by default only the timelines of the table's runs stay
+    # by default only the timelines of the table's runs stay (here without the tail rows)
     kept = tmp_path / "kept"
     proc = subprocess.run(cmd[:cmd.index("--out")] + ["--out", str(kept)] + cmd[cmd.index("--jobs"):cmd.index("--keep")]
-                          + cmd[cmd.index("--keep") + 2:], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+                          + cmd[cmd.index("run.iterations=8"):], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = pd.read_csv(kept / "h100-16" / "stationary" / "table.csv")
     assert {p.name for p in (kept / "h100-16" / "stationary" / "runs").iterdir()} == set(table["run"]) - {"-"}

@@ -47,8 +47,10 @@ FIXED = ("cluster.ranks", "run.seed", "run.max_lag", "run.mode", "model", "workl
          "rollout.ignore_eos", "hardware")
 FREE = ("data.val_files", "reward.timeout_s")   # inside FIXED, but they change nothing trained
 # The fully sharded trainer's checkpoint loads on any number of train ranks and no split changes
-# what is computed, so its runs may resume on another allocation (fewer nodes after a failure).
-FREE_SHARDED = ("cluster.ranks",)
+# what is computed, so its runs may resume on another allocation (fewer nodes after a failure)
+# and with other policy settings (a split that fits the new allocation): the policy then starts
+# anew (same_policy).
+FREE_SHARDED = ("cluster.ranks", "policy")
 
 
 @dataclass
@@ -190,6 +192,15 @@ def check_resume(cfg: JobConfig) -> None:
                           + "\n  Fix: resume with the checkpoint's values (its "
                           f"configuration is in {os.path.join(cfg.run.output_dir, 'config.yaml')}), or start a "
                           f"fresh run directory")
+
+
+def same_policy(resume: ResumeState, cfg: JobConfig) -> bool:
+    """Whether `cfg` has the policy settings of the checkpoint's run: if not (a run with
+    trainer.sharding=full, check_resume), the policy starts anew from its own first split."""
+    from omegaconf import OmegaConf
+    then = OmegaConf.to_container(OmegaConf.create(resume.config))
+    now = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
+    return then.get("policy") == now.get("policy")
 
 
 def _flat(tree, prefix: str = "") -> dict:

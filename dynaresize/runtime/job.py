@@ -123,15 +123,20 @@ class Job:
             self.model_dir = self._shared_model_dir()
             self.task = make_task(cfg, self.model_dir)          # where prompts come from
             self.score = Scorer(cfg.reward, self.task.decode, eos_token_ids(self.model_dir))
-            if resume is not None and resume.table.world != self.world:    # another allocation (sharding=full)
+            # sharding=full: a run may resume on another allocation, or with other policy settings
+            # (the policy then starts anew); the sharded state loads on any split
+            self.same_policy = resume is not None and checkpoint.same_policy(resume, cfg)
+            if self.same_policy and resume.table.world != self.world:
                 table = resumed_split(resume.table, self.world, cfg.policy.resize_unit)
                 self.policy.load_state(resume.policy_state, new_world_split=table.num_train)
-            elif resume is not None:
+            elif self.same_policy:
                 table = resume.table
                 self.policy.load_state(resume.policy_state)
             else:
                 table = (RoleTable.colocated(self.world) if POLICIES[cfg.policy.name].colocated
                          else RoleTable.split(self.world, self.policy.initial_train_ranks()))
+                if resume is not None:
+                    table = dataclasses.replace(table, version=resume.table.version + 1)
             self.registry.ensure(table.num_train)
             self.layout = FlatLayout.of(model_skeleton(self.model_dir))
             # the model a switch plan prices: the profile's when emulating, else this one
@@ -153,9 +158,9 @@ class Job:
 
         self.first_iteration = resume.iteration + 1 if resume else 0
         self.pending_batch: list[Sample] = resume.pending_batch if resume else []
-        # a decision for the checkpoint's rank count does not apply to another: the policy decides anew
+        # a decision for the checkpoint's rank count or policy does not apply here: the policy decides anew
         self.pending_decision: Decision | None = resume.pending_decision \
-            if resume and resume.table.world == self.world else None
+            if self.same_policy and resume.table.world == self.world else None
         self._new_samples: list[Sample] = []
         self._step_sums: dict[str, float] = {}   # this iteration's train step, this rank's micro-batches
         self._step: dict[str, float] = {}        # rank 0: the step's batch-wide figures
@@ -179,6 +184,7 @@ class Job:
         if resume is not None and self.rank == 0:
             other = (f" on {self.world} ranks, the checkpoint's run had {resume.table.world}"
                      if resume.table.world != self.world else "")
+            other += "" if self.same_policy else "; other policy settings than the checkpoint's: the policy starts anew"
             print(f"[dynaresize] resumed from {resume.path} (iterations 0-{resume.iteration} done, "
                   f"split {self.table.describe()}{other})", flush=True)
 

@@ -22,6 +22,17 @@ For every (hardware, ranks, workload) it simulates, with the same seed and cost 
     bound                    per iteration max(the longest sample decoded alone, all rollout and
                              train work / all ranks), summed: what no placement can beat
 
+and with --tail the tail mechanisms the cost model prices (TAIL_MECHANISMS), one at a time and
+together:
+
+    dynamic + speculation    tail speculation once a rank runs few sequences (rollout.speculation)
+    dynamic + migration      tail migration at the cost model's threshold (rollout.migration_threshold=auto)
+    dynamic + tail           the mechanisms the cost model prices together: speculation and
+                             stealing (it prices migration and speculation one at a time)
+    static + tail            the best of the static sweep with them: what a system with these
+                             mechanisms but a fixed split gets
+    bound + speculation      the bound with the longest sample decoded with speculation
+
 and writes, per workload, table.csv, table.md and table.png (throughput relative to the hindsight
 static split), and over all workloads summary.md / summary.csv. The timelines of the runs in the
 table stay in runs/NAME/timeline.h5 for `dynaresize-analyze` (`--keep all` keeps the whole static
@@ -43,6 +54,18 @@ WORKLOADS = ("stationary", "growth", "dapo", "deepscaler", "r1zero", "mixture_bl
              "oscillating")
 ROWS = ("static, hindsight-best", "static, pilot", "colocated", "dynamic", "dynamic + stealing",
         "oracle, expected lengths", "oracle", "bound")
+TAIL_ROWS = ("dynamic + speculation", "dynamic + migration", "dynamic + tail", "static + tail", "bound + speculation")
+# The tail mechanisms (--tail) as config changes: speculation once a rollout rank runs 32
+# sequences or fewer (the cost model prices speculation per rank's running batch), migration of a
+# rank's last sequences to a tail rank at the threshold the cost model finds best, and stealing:
+# rollout ranks that are done compute micro-batches of the train step.
+TAIL_MECHANISMS = {"speculation": {"rollout": {"speculation": "tail", "speculation_below": 32}},
+                   "migration": {"rollout": {"migration_threshold": "auto"}},
+                   "stealing": {"trainer": {"work_stealing": True}}}
+# The rows "+ tail": the cost model prices tail migration or speculation, not both in one run
+# (validation refuses the pair in a simulation), and speculation shortens the tail that migration
+# would move.
+TOGETHER = ("speculation", "stealing")
 PILOT_ITERATIONS = 5
 PROGRESS_EVERY_S = 60.0     # a cell's progress line this often (a 1,024-rank cell can take an hour)
 
@@ -63,10 +86,26 @@ def min_train_ranks(base: dict) -> int:
                                   cfg.cluster.ranks - unit, unit)
 
 
-def run_specs(base: dict, fewest: int) -> dict[str, dict]:
+def with_mechanisms(spec: dict, *names: str) -> dict:
+    """A copy of a run's config with those of the tail mechanisms `names` (TAIL_MECHANISMS) on
+    that the workload allows (mechanisms())."""
+    spec = copy.deepcopy(spec)
+    for name in set(names) & set(mechanisms(spec)):
+        for section, values in TAIL_MECHANISMS[name].items():
+            spec[section].update(values)
+    return spec
+
+
+def mechanisms(spec: dict) -> tuple[str, ...]:
+    """The tail mechanisms a run's config allows: a tail migration cannot cross the rounds of
+    dynamic sampling (trainer.filter_groups, the dapo workload), which validation refuses."""
+    return tuple(m for m in TAIL_MECHANISMS if not (m == "migration" and spec["trainer"].get("filter_groups")))
+
+
+def run_specs(base: dict, fewest: int, tail: bool = False) -> dict[str, dict]:
     """The composed config of every run of one workload (name -> plain config dict): the static
     splits of at least `fewest` train ranks (those that fit; the others would be refused), and
-    every other row."""
+    every other row; with `tail`, also the rows of the tail mechanisms (TAIL_ROWS)."""
     units = int(base["sim"]["units"])
     unit = int(base["cluster"]["ranks"]) // units
     specs = {}
@@ -75,14 +114,18 @@ def run_specs(base: dict, fewest: int) -> dict[str, dict]:
         spec["policy"]["name"] = "static"
         spec["sim"]["train_units"] = u
         specs[f"static_{u:02d}"] = spec
+        if tail:
+            specs[f"tail_static_{u:02d}"] = with_mechanisms(spec, *TOGETHER)
     dyn = copy.deepcopy(base)
     dyn["policy"]["name"] = "dynamic"
     dyn["policy"]["train_ranks"] = "auto"
     dyn["sim"]["train_units"] = 0
     specs["dynamic"] = dyn
-    stealing = copy.deepcopy(dyn)
-    stealing["trainer"]["work_stealing"] = True
-    specs["dynamic_stealing"] = stealing
+    specs["dynamic_stealing"] = with_mechanisms(dyn, "stealing")
+    if tail:
+        for name in set(mechanisms(dyn)) - {"stealing"}:
+            specs[f"dynamic_{name}"] = with_mechanisms(dyn, name)
+        specs["dynamic_tail"] = with_mechanisms(dyn, *TOGETHER)
     coloc = copy.deepcopy(base)
     coloc["policy"]["name"] = "colocated"
     coloc["run"]["max_lag"] = 0
@@ -128,13 +171,26 @@ def acceptance(r, dynamic: dict) -> dict:
     oracles; `sim.charge_decisions=false` leaves them out)."""
     gain = r["oracle"] / r["static, pilot"] - 1
     captured = lambda row: (r[row] / r["static, pilot"] - 1) / gain if gain > 1e-9 else math.nan  # noqa: E731
-    return {"dynamic_vs_oracle": r["dynamic"] / r["oracle"],
-            "dynamic_vs_expected": r["dynamic"] / r["oracle, expected lengths"],
-            "captured": captured("dynamic"), "captured_stealing": captured("dynamic + stealing"),
-            "resizes": dynamic["resizes"], "turns": dynamic["turns"],
-            "prediction_error": dynamic["prediction_error_median"],
-            "decide_s": dynamic["decide_s_median"],
-            "decide_share": dynamic["decide_share"]}
+    out = {"dynamic_vs_oracle": r["dynamic"] / r["oracle"],
+           "dynamic_vs_expected": r["dynamic"] / r["oracle, expected lengths"],
+           "captured": captured("dynamic"), "captured_stealing": captured("dynamic + stealing"),
+           "resizes": dynamic["resizes"], "turns": dynamic["turns"],
+           "prediction_error": dynamic["prediction_error_median"],
+           "decide_s": dynamic["decide_s_median"],
+           "decide_share": dynamic["decide_share"]}
+    if "dynamic + tail" in r:
+        out.update(tail_figures(r))
+    return out
+
+
+def tail_figures(r) -> dict:
+    """What the tail mechanisms add (rows of --tail): dynamic + tail against static + tail (what
+    resizing adds to a fixed split with the same mechanisms), and the share of dynamic's gap to
+    the bound with speculation that each mechanism closes on its own and together (TOGETHER)."""
+    gap = r["bound + speculation"] - r["dynamic"]
+    closed = lambda row: (r[row] - r["dynamic"]) / gap if gap > 1e-9 else math.nan  # noqa: E731
+    return {"tail_vs_static_tail": r["dynamic + tail"] / r["static + tail"],
+            **{f"gap_closed_{m}": closed(f"dynamic + {m}") for m in ("speculation", "migration", "stealing", "tail")}}
 
 
 def bound(spec: dict) -> dict:
@@ -175,28 +231,40 @@ def bound(spec: dict) -> dict:
 
 # --- the table ---------------------------------------------------------------------------------
 
-def workload_table(metrics: dict[str, dict], bound_row: dict):
-    """One row per baseline (ROWS) from the runs' metrics (analysis.run_metrics): throughput and
-    total time relative to the hindsight-best static split, busy share of rank-time, critical
-    switch seconds per rank and iteration, hidden share of switch work."""
+def workload_table(metrics: dict[str, dict], bounds: dict[str, dict]):
+    """One row per baseline (ROWS, and TAIL_ROWS when their runs are there) from the runs' metrics
+    (analysis.run_metrics) and the bounds (row -> bound()): throughput and total time relative to
+    the hindsight-best static split, busy share of rank-time, critical switch seconds per rank and
+    iteration, hidden share of switch work."""
     import pandas as pd
 
-    statics = [n for n in metrics if n.startswith("static_")]
-    best = max(statics, key=lambda n: metrics[n]["tokens_per_s"])
-    trial = max(statics, key=lambda n: metrics[n]["pilot_tokens_per_s"])
+    def best_of(prefix: str, key: str = "tokens_per_s") -> str:
+        return max((n for n in metrics if n.startswith(prefix)), key=lambda n: metrics[n][key])
+    best = best_of("static_")
     ref = metrics[best]
-    picks = {"static, hindsight-best": best, "static, pilot": trial, "colocated": "colocated",
-             "dynamic": "dynamic", "dynamic + stealing": "dynamic_stealing",
+    picks = {"static, hindsight-best": best, "static, pilot": best_of("static_", "pilot_tokens_per_s"),
+             "colocated": "colocated", "dynamic": "dynamic", "dynamic + stealing": "dynamic_stealing",
              "oracle, expected lengths": "oracle_expected", "oracle": "oracle"}
-    rows = []
-    for row in ROWS:
-        if row == "bound":
+    rows = ROWS
+    if "dynamic_tail" in metrics:
+        picks.update({"dynamic + speculation": "dynamic_speculation", "dynamic + migration": "dynamic_migration",
+                      "dynamic + tail": "dynamic_tail", "static + tail": best_of("tail_static_")})
+        rows = ROWS[:5] + TAIL_ROWS[:4] + ROWS[5:] + TAIL_ROWS[4:]
+    out = []
+    for row in rows:
+        if row not in bounds and picks[row] not in metrics:         # a mechanism the workload does not allow
+            out.append({"row": row, "run": "-", "split": "not allowed", **dict.fromkeys(
+                ("tokens_per_s", "throughput_x", "total_time_x", "busy_share", "critical_switch_s", "hidden_share"),
+                math.nan)})
+            continue
+        if row.startswith("bound"):
+            bound_row = bounds[row]
             tput = bound_row["tokens"] / bound_row["total_time_s"]
-            rows.append({"row": row, "run": "-", "split": "-", "tokens_per_s": tput,
-                         "throughput_x": tput / ref["tokens_per_s"],
-                         "total_time_x": bound_row["total_time_s"] / ref["total_time_s"],
-                         "busy_share": bound_row["busy_share"], "critical_switch_s": 0.0,
-                         "hidden_share": math.nan})
+            out.append({"row": row, "run": "-", "split": "-", "tokens_per_s": tput,
+                        "throughput_x": tput / ref["tokens_per_s"],
+                        "total_time_x": bound_row["total_time_s"] / ref["total_time_s"],
+                        "busy_share": bound_row["busy_share"], "critical_switch_s": 0.0,
+                        "hidden_share": math.nan})
             continue
         m = metrics[picks[row]]
         if row == "colocated":
@@ -207,13 +275,13 @@ def workload_table(metrics: dict[str, dict], bound_row: dict):
             split = m["split"]
         else:
             split = f"{m['split']} .. {m['final_split']}"
-        rows.append({"row": row, "run": picks[row], "split": split, "tokens_per_s": m["tokens_per_s"],
-                     "throughput_x": m["tokens_per_s"] / ref["tokens_per_s"],
-                     "total_time_x": m["total_time_s"] / ref["total_time_s"],
-                     "busy_share": 1.0 - m["bubble_all"],
-                     "critical_switch_s": m["switch_critical_s"] / max(m["iterations"] * m["world_size"], 1),
-                     "hidden_share": m["hidden_share"] if m["hidden_share"] is not None else math.nan})
-    return pd.DataFrame(rows)
+        out.append({"row": row, "run": picks[row], "split": split, "tokens_per_s": m["tokens_per_s"],
+                    "throughput_x": m["tokens_per_s"] / ref["tokens_per_s"],
+                    "total_time_x": m["total_time_s"] / ref["total_time_s"],
+                    "busy_share": 1.0 - m["bubble_all"],
+                    "critical_switch_s": m["switch_critical_s"] / max(m["iterations"] * m["world_size"], 1),
+                    "hidden_share": m["hidden_share"] if m["hidden_share"] is not None else math.nan})
+    return pd.DataFrame(out)
 
 
 def markdown(df, columns=None) -> str:
@@ -282,9 +350,10 @@ def run_all(pool, fn, jobs: dict[str, object], label: str, log, every_s: float =
 
 
 def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[str], overrides: list[str],
-              jobs: int = 2, keep: str = "table", log=None, page=None) -> "object":
+              jobs: int = 2, keep: str = "table", log=None, page=None, tail: bool = False) -> "object":
     """Run the suite; returns the summary DataFrame (one row per hardware x ranks x workload).
-    `page`: (path, command) of a results page to write after every cell, or None."""
+    `page`: (path, command) of a results page to write after every cell, or None; `tail`: also
+    the rows of the tail mechanisms (TAIL_ROWS)."""
     import pandas as pd
     log = log or (lambda line: print(line, flush=True))
     summary, details = [], []
@@ -299,13 +368,16 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                     t0 = time.perf_counter()
                     base = compose_base(w, hw, n, overrides)
                     fewest = min_train_ranks(base)
-                    specs = run_specs(base, fewest)
+                    specs = run_specs(base, fewest, tail)
                     wdir = os.path.join(folder, w)
                     # the dynamic runs first: they take longest (a decision prices many splits)
                     names = sorted(specs, key=lambda name: not name.startswith("dynamic"))
                     jobs_ = {name: (specs[name], os.path.join(wdir, "runs", name)) for name in names}
                     metrics = run_all(pool, _simulate, jobs_, f"{hw} {n} ranks {w}", log)
-                    df = workload_table(metrics, bound(base))
+                    bounds = {"bound": bound(base)}
+                    if tail:
+                        bounds["bound + speculation"] = bound(with_mechanisms(base, "speculation"))
+                    df = workload_table(metrics, bounds)
                     drop = set(specs) if keep == "none" else set() if keep == "all" else set(specs) - set(df["run"])
                     for name in drop:
                         shutil.rmtree(os.path.join(wdir, "runs", name), ignore_errors=True)
@@ -322,8 +394,12 @@ def run_suite(out: str, ranks: list[int], hardware: list[str], workloads: list[s
                         f"(expected lengths) {r['oracle']:.3f} (true)  "
                         f"bound {r['bound']:.3f}  x hindsight static  ({time.perf_counter() - t0:.0f} s, "
                         f"{time.perf_counter() - started:.0f} s in all)")
+                    if tail:
+                        log(f"[suite] {hw} {n:>5} ranks  {w:<20} dynamic + tail {r['dynamic + tail']:.3f}  "
+                            f"static + tail {r['static + tail']:.3f}  bound + speculation "
+                            f"{r['bound + speculation']:.3f}  x hindsight static")
                     summary.append({"hardware": hw, "ranks": n, "workload": w, "min_train": fewest,
-                                    **{row: float(r[row]) for row in ROWS}, **acceptance(r, metrics["dynamic"])})
+                                    **{row: float(x) for row, x in r.items()}, **acceptance(r, metrics["dynamic"])})
                     result = write_summary(out, summary)   # after every cell: a stopped suite keeps its cells
                     details.append((title, df))
                     if page is not None:
@@ -355,6 +431,8 @@ def write_summary(out: str, summary: list[dict]) -> "object":
 PAGE_COLUMNS = (("static, pilot", "static, pilot"), ("colocated", "colocated"), ("dynamic", "dynamic"),
                 ("dynamic + stealing", "dynamic + stealing"),
                 ("oracle, expected lengths", "oracle, expected lengths"), ("oracle", "oracle"), ("bound", "bound"))
+TAIL_COLUMNS = ("dynamic + speculation", "dynamic + migration", "dynamic + stealing", "dynamic + tail",
+                "static + tail", "bound + speculation")
 
 
 def write_suite_page(path: str, command: list[str], summary: list[dict], details: list) -> None:
@@ -380,10 +458,31 @@ def write_suite_page(path: str, command: list[str], summary: list[dict], details
                         f"| {c['prediction_error']:.1%} "
                         f"| {decisions} |")
         body.append("")
+        tail = [c for c in summary if (c["hardware"], c["ranks"]) == (hw, n) and "dynamic + tail" in c]
+        if tail:
+            body += tail_table(tail)
     body += ["## Each workload in full", ""]
     for title, df in details:
         body += [f"### {title}", "", markdown(df.drop(columns=["workload"])), ""]
     write_page(path, "Comparison suite", command, "\n".join(body))
+
+
+def tail_table(cells: list[dict]) -> list[str]:
+    """The page's table of the tail mechanisms (--tail) for one (hardware, ranks)."""
+    pct = lambda v: "-" if math.isnan(v) else f"{round(v, 2) + 0.0:.0%}"  # noqa: E731  (no "-0%")
+    lines = ["With the tail mechanisms (`--tail`): throughput x hindsight-best static split; "
+             "gap closed: the share of dynamic's gap to the bound with speculation that each mechanism "
+             "closes alone (speculation, migration, stealing) and together (tail: speculation and "
+             "stealing, which the cost model prices in one run; migration it prices without speculation).", "",
+             "| workload | dynamic | " + " | ".join(TAIL_COLUMNS) + " | dynamic + tail / static + tail "
+             "| gap closed: speculation, migration, stealing, tail |",
+             "|" + "---|" * (len(TAIL_COLUMNS) + 4)]
+    for c in cells:
+        closed = ", ".join(pct(c[f"gap_closed_{m}"]) for m in ("speculation", "migration", "stealing", "tail"))
+        lines.append(f"| `{c['workload']}` | {c['dynamic']:.3f} | "
+                     + " | ".join("-" if math.isnan(c[row]) else f"{c[row]:.3f}" for row in TAIL_COLUMNS)
+                     + f" | {c['tail_vs_static_tail']:.3f} | {closed} |")
+    return lines + [""]
 
 
 def cell_arguments(p: argparse.ArgumentParser) -> None:
@@ -413,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="timelines kept: the table's runs (default), every run, or none")
     p.add_argument("--page", default=None,
                    help="also write the tables as a results page (Markdown), after every cell")
+    p.add_argument("--tail", action="store_true",
+                   help="also the rows of the tail mechanisms (speculation, migration, stealing; about twice the runs)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. run.iterations=50")
     args = p.parse_intermixed_args(argv)
     from ..config import ConfigError
@@ -426,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         page = (args.page, ["dynaresize-sim", "suite", *(argv if argv is not None else sys.argv[2:])]) \
             if args.page else None
         run_suite(os.path.abspath(args.out), args.ranks, args.hardware, workloads, args.overrides, args.jobs,
-                  args.keep, page=page)
+                  args.keep, page=page, tail=args.tail)
     except (ConfigError, ProfileError) as e:
         print(f"dynaresize-sim suite: {e}", file=sys.stderr)
         return 2
