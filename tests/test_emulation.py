@@ -1,9 +1,10 @@
 """Emulation agrees with simulation: real ranks whose stages and switch operations last what the
 cost model prices (run.mode=emulate) against the simulator on the same config, for two workloads of
 the suite (scaled to the tiny model) and the rows of its table that run: the hindsight-best static
-split (found by simulating every split), dynamic (starting from its own choice) and colocated, and
-a scripted run whose resizes exercise every switch operation's emulation, and work stealing on a
-train-bound split (1 train rank), where the rollout ranks steal micro-batches in both. At 8 ranks,
+split (found by simulating every split), dynamic (starting from its own choice), colocated and
+dynamic with tail speculation (a row of `dynaresize-sim suite --tail`), and a scripted run whose
+resizes exercise every switch operation's emulation, and work stealing on a train-bound split (1
+train rank), where the rollout ranks steal micro-batches in both. At 8 ranks,
 dynamic must reach 0.99 x the emulated best static split.
 
 CI runs it at 4 ranks, 4 iterations, three eighths of the time scale and the mixture workload only
@@ -66,6 +67,9 @@ def test_emulated_runs_match_simulation(tmp_path):
                 "dynamic": ["policy=dynamic"],
                 "scripted": ["policy=scripted", f"policy.schedule=[{','.join(map(str, SCHEDULE))}]"],
                 "colocated": ["policy=colocated", "run.max_lag=0"],
+                # a row of the suite's --tail: the torch engine drafts from the group's siblings
+                # and each rank's rollout lasts what the cost model prices with speculation
+                "speculation": ["policy=dynamic", "rollout.speculation=tail"],
                 # emulation-sized link and engine sleep (10x faster, like the disks): else a 7B
                 # model's gradient sum and the engine's sleep and wake would cost more than the
                 # tiny train step they shorten, and no rank would join
@@ -78,6 +82,8 @@ def test_emulated_runs_match_simulation(tmp_path):
                                                                     *base, *policy)
             emu = emulate(tmp_path / f"{workload}-emu-{folder}", *base, *policy)
             assert emu["tokens"] == sim["tokens"], (workload, name)            # the same work
+            if folder == "speculation":                # the engine verified drafts (NaN: never)
+                assert emu["tokens_per_verify"] >= 1, emu["tokens_per_verify"]
             if folder == "stealing":
                 for run in (f"{workload}-sim-{folder}", f"{workload}-emu-{folder}"):
                     events = analysis.load_timeline(tmp_path / run).events
@@ -99,8 +105,10 @@ def test_emulated_runs_match_simulation(tmp_path):
         from dynaresize.analysis.pages import write_page
         write_page(os.environ["DYNARESIZE_EMULATION_PAGE"], "Emulation against simulation",
                    [f"DYNARESIZE_EMULATION_RANKS={RANKS}", "pytest", "-s", "tests/test_emulation.py"],
-                   f"{RANKS} ranks, every run emulated and simulated with the same config; what emulation is: "
-                   f"[cost model, emulation and simulation](../concepts/cost-model.md#emulation).\n\n"
+                   f"{RANKS} ranks, every run emulated and simulated with the same config "
+                   "(`dynaresize/conf/experiment/emulated8.yaml`: the suite's workloads scaled to the tiny model); "
+                   "the test asserts that each emulated run takes its simulated time within 5 %; what emulation "
+                   "is: [cost model, emulation and simulation](../concepts/cost-model.md#emulation).\n\n"
                    "```\n" + "\n".join(lines) + "\n```")
     assert all(re == rs == len(SCHEDULE) - 1 for w, name, te, ts, qe, qs, re, rs in rows if name == "scripted")
     if RANKS == 8:
