@@ -423,7 +423,8 @@ def write_summary(out: str, summary: list[dict]) -> "object":
                 "prediction of the next iteration's time (prediction_error: |predicted / measured - 1|), "
                 "and its decisions' wall time on "
                 "this machine (decide_s: the median in seconds; decide_share: their total / the run's simulated "
-                "time).\n\n")
+                "time); with --tail, tail_vs_static_tail (dynamic + tail / static + tail) and gap_closed_* (the "
+                "share of dynamic's gap to the bound with speculation that each mechanism closes).\n\n")
         f.write(markdown(df) + "\n")
     return df
 

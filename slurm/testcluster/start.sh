@@ -275,9 +275,9 @@ SchedulerType=sched/backfill
 # Tests poll for state changes: start batch jobs within ~1 s of submission (default delay up to
 # 3 s) and re-check time-gated jobs (requeued, --begin) every 2 s instead of every 30-60 s.
 SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
-# Finished jobs leave slurmctld's memory after 4 s (default 300 s; sacct keeps them). 'sbatch
-# --wait' lengthens its poll (2, 8, 32 s) only while it is under MinJobAge/2 (sbatch.c, _job_wait):
-# at the default a 12-second job was waited for 42 s; at 4 it polls every 2 s.
+# Finished jobs leave slurmctld's memory 4 s or more after they end (default 300 s; sacct keeps
+# them). 'sbatch --wait' lengthens its poll (2, 8, 32 s) only while it is under MinJobAge/2
+# (sbatch.c, _job_wait): at the default a 12-second job was waited for 42 s; at 4 it polls every 2 s.
 MinJobAge=4
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
