@@ -174,12 +174,10 @@ def completed(cfg: JobConfig) -> str | None:
 def check_resume(cfg: JobConfig) -> None:
     """Refuse, before anything starts or is written, to resume a checkpoint of `cfg`'s run
     directory with a configuration that computes something else (FIXED), naming the fields."""
-    from omegaconf import OmegaConf
     resume = find_resume(cfg.run.output_dir)
     if resume is None:
         return
-    then = _flat(OmegaConf.to_container(OmegaConf.create(resume.config)))
-    now = _flat(OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))
+    then, now = _flat(_tree(resume.config)), _flat(_tree(to_yaml(cfg)))
     free = FREE + (FREE_SHARDED if then.get("trainer.sharding") == now.get("trainer.sharding") == "full" else ())
     changed = [f"  {key}: {then.get(key)!r} in the checkpoint, {now.get(key)!r} now"
                for key in sorted(set(then) | set(now))
@@ -197,10 +195,13 @@ def check_resume(cfg: JobConfig) -> None:
 def same_policy(resume: ResumeState, cfg: JobConfig) -> bool:
     """Whether `cfg` has the policy settings of the checkpoint's run: if not (a run with
     trainer.sharding=full, check_resume), the policy starts anew from its own first split."""
+    return _tree(resume.config).get("policy") == _tree(to_yaml(cfg)).get("policy")
+
+
+def _tree(config_yaml: str) -> dict:
+    """A config written as YAML (to_yaml, a checkpoint's state.json), as a nested dict."""
     from omegaconf import OmegaConf
-    then = OmegaConf.to_container(OmegaConf.create(resume.config))
-    now = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
-    return then.get("policy") == now.get("policy")
+    return OmegaConf.to_container(OmegaConf.create(config_yaml))
 
 
 def _flat(tree, prefix: str = "") -> dict:

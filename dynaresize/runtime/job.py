@@ -125,11 +125,11 @@ class Job:
             self.score = Scorer(cfg.reward, self.task.decode, eos_token_ids(self.model_dir))
             # sharding=full: a run may resume on another allocation, or with other policy settings
             # (the policy then starts anew); the sharded state loads on any split
-            self.same_policy = resume is not None and checkpoint.same_policy(resume, cfg)
-            if self.same_policy and resume.table.world != self.world:
+            same_policy = resume is not None and checkpoint.same_policy(resume, cfg)
+            if same_policy and resume.table.world != self.world:
                 table = resumed_split(resume.table, self.world, cfg.policy.resize_unit)
                 self.policy.load_state(resume.policy_state, new_world_split=table.num_train)
-            elif self.same_policy:
+            elif same_policy:
                 table = resume.table
                 self.policy.load_state(resume.policy_state)
             else:
@@ -160,7 +160,7 @@ class Job:
         self.pending_batch: list[Sample] = resume.pending_batch if resume else []
         # a decision for the checkpoint's rank count or policy does not apply here: the policy decides anew
         self.pending_decision: Decision | None = resume.pending_decision \
-            if self.same_policy and resume.table.world == self.world else None
+            if same_policy and resume.table.world == self.world else None
         self._new_samples: list[Sample] = []
         self._step_sums: dict[str, float] = {}   # this iteration's train step, this rank's micro-batches
         self._step: dict[str, float] = {}        # rank 0: the step's batch-wide figures
@@ -184,7 +184,7 @@ class Job:
         if resume is not None and self.rank == 0:
             other = (f" on {self.world} ranks, the checkpoint's run had {resume.table.world}"
                      if resume.table.world != self.world else "")
-            other += "" if self.same_policy else "; other policy settings than the checkpoint's: the policy starts anew"
+            other += "" if same_policy else "; other policy settings than the checkpoint's: the policy starts anew"
             print(f"[dynaresize] resumed from {resume.path} (iterations 0-{resume.iteration} done, "
                   f"split {self.table.describe()}{other})", flush=True)
 

@@ -90,7 +90,7 @@ def with_mechanisms(spec: dict, *names: str) -> dict:
     """A copy of a run's config with those of the tail mechanisms `names` (TAIL_MECHANISMS) on
     that the workload allows (mechanisms())."""
     spec = copy.deepcopy(spec)
-    for name in set(names) & set(mechanisms(spec)):
+    for name in (m for m in mechanisms(spec) if m in names):
         for section, values in TAIL_MECHANISMS[name].items():
             spec[section].update(values)
     return spec
@@ -123,8 +123,9 @@ def run_specs(base: dict, fewest: int, tail: bool = False) -> dict[str, dict]:
     specs["dynamic"] = dyn
     specs["dynamic_stealing"] = with_mechanisms(dyn, "stealing")
     if tail:
-        for name in set(mechanisms(dyn)) - {"stealing"}:
-            specs[f"dynamic_{name}"] = with_mechanisms(dyn, name)
+        for name in mechanisms(dyn):
+            if name != "stealing":                  # dynamic + stealing is a row without --tail too
+                specs[f"dynamic_{name}"] = with_mechanisms(dyn, name)
         specs["dynamic_tail"] = with_mechanisms(dyn, *TOGETHER)
     coloc = copy.deepcopy(base)
     coloc["policy"]["name"] = "colocated"
